@@ -1,0 +1,31 @@
+"""jaxcpp: a JAX/XLA pipeline-parallel LLM inference engine for long-prompt prefill.
+
+The public offline API (`LLM`, `SamplingParams`) is imported lazily so that host-only modules
+(scheduler, page allocator, chunking) can be imported without pulling in jax.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from jaxcpp.llm import LLM
+    from jaxcpp.outputs import RequestOutput
+    from jaxcpp.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from jaxcpp.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from jaxcpp.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "RequestOutput":
+        from jaxcpp.outputs import RequestOutput
+
+        return RequestOutput
+    raise AttributeError(f"module 'jaxcpp' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Device side: KV cache arrays, step inputs, jitted stage programs, executors, sampler."""

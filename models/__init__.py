@@ -1,0 +1,1 @@
+"""Flax Llama-family models, their configs and checkpoint I/O (jaxcpp.models)."""

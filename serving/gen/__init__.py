@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code (regenerate with `python -m jaxcpp.serving.codegen`)."""
