@@ -1,0 +1,57 @@
+"""Generate argparse flags from the config dataclasses, and build configs back from parsed flags.
+
+One source of truth: a field `max_num_batched_tokens` in `SchedulerConfig` becomes
+`--max-num-batched-tokens`, with the field's help, type and choices; booleans get `--x/--no-x`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from jaxcpp.config import EngineConfig, ServerConfig, _SECTIONS
+
+
+def _base_type(annotation: Any) -> type:
+    hint = annotation
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    hints = typing.get_type_hints(config_cls)
+    group = parser.add_argument_group(config_cls.__name__)
+    for fld in dataclasses.fields(config_cls):
+        flag = "--" + fld.name.replace("_", "-")
+        help_text = fld.metadata.get("help", "")
+        kind = _base_type(hints[fld.name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=None, choices=fld.metadata.get("choices"),
+                               help=help_text)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for cls in _SECTIONS.values():
+        add_config_args(parser, cls)
+
+
+def _given(args: argparse.Namespace, config_cls: type) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(config_cls)]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs: dict[str, Any] = {}
+    for cls in _SECTIONS.values():
+        kwargs.update(_given(args, cls))
+    return EngineConfig.from_kwargs(**kwargs)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**_given(args, ServerConfig))

@@ -1,0 +1,175 @@
+"""Engine configuration: frozen dataclasses split by owner, validated where they are built.
+
+Each field's `metadata["help"]` becomes the help of the CLI flag of the same name (underscores become
+dashes), so the flags and the config cannot drift apart (see `jaxcpp.cli_args`). Errors name the flag.
+Host-side: no jax here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{_flag(name)}: {message}")
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with CLI help text."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = opt("tiny", "model: 'tiny' (bundled), a Hugging Face folder (config.json + safetensors) "
+                     "or an orbax checkpoint folder written by jaxcpp")
+    dtype: str = opt("auto", "parameter/activation dtype: auto (checkpoint's), float32, bfloat16, float16",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    max_model_len: int | None = opt(None, "longest prompt + output, in tokens (default: the model's)")
+    seed: int = opt(0, "seed for parameter init of random models and for unseeded sampling")
+    attention_backend: str = opt("auto", "attention implementation: auto (Pallas on GPU, XLA on CPU), "
+                                 "pallas, xla", choices=("auto", "pallas", "xla"))
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = opt(16, "tokens per KV-cache page")
+    num_pages: int | None = opt(None, "KV-cache pages per stage (default: sized from --kv-cache-memory-gb)")
+    kv_cache_memory_gb: float = opt(1.0, "memory for the KV cache when --num-pages is not given")
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
+                 f"must be a power of two, got {self.block_size}")
+        _require(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be >= 2")
+        _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = opt(512, "token budget of one step; with chunked prefill also the "
+                                      "largest prompt chunk")
+    max_num_seqs: int = opt(64, "most sequences in one step")
+    enable_chunked_prefill: bool = opt(True, "split prompts into chunks that share steps with decodes")
+    log_stats_interval_s: float = opt(10.0, "seconds between engine-status log lines (0: never)")
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_seqs <= self.max_num_batched_tokens, "max_num_seqs",
+                 f"({self.max_num_seqs}) must not exceed --max-num-batched-tokens "
+                 f"({self.max_num_batched_tokens}): every sequence takes at least one token")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pipeline_parallel_size: int = opt(1, "pipeline stages (mesh axis 'pp')")
+    tensor_parallel_size: int = opt(1, "devices per stage (mesh axis 'tp')")
+    pp_partition: str | None = opt(None, "layers per stage, comma-separated, e.g. 6,6,6,8 "
+                                   "(default: even, extra layers on later stages)")
+    trace_file: str | None = opt(None, "write per-stage timing probes as a Chrome/Perfetto trace JSON")
+
+    def __post_init__(self) -> None:
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        if self.pp_partition is not None:
+            parts = self.partition_list()
+            _require(len(parts) == self.pipeline_parallel_size, "pp_partition",
+                     f"gives {len(parts)} stages but --pipeline-parallel-size is {self.pipeline_parallel_size}")
+            _require(all(p >= 1 for p in parts), "pp_partition", "every stage needs at least one layer")
+
+    def partition_list(self) -> list[int]:
+        assert self.pp_partition is not None
+        try:
+            return [int(p) for p in self.pp_partition.split(",")]
+        except ValueError:
+            raise ConfigError(f"--pp-partition: expected integers like 6,6,6,8, got {self.pp_partition!r}")
+
+
+def _default_smooth_factor() -> float:
+    return float(os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "0.75"))
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    enable_dynamic_chunking: bool = opt(False, "size each prompt chunk from a fitted latency model so "
+                                        "pipeline micro-batches take equal time (needs PP > 1)")
+    dynamic_chunking_smooth_factor: float = field(
+        default_factory=_default_smooth_factor,
+        metadata={"help": "0 = fixed chunks, 1 = the solved equal-latency chunk "
+                          "(default: env JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR, else 0.75)"})
+    dynamic_chunking_min_chunk_size: int = opt(4096, "smallest chunk the solver may choose")
+    dynamic_chunking_policy: str = opt("equal-latency", "equal-latency (ATOM's rule) or optimal "
+                                       "(plan all chunks to minimise predicted TTFT)",
+                                       choices=("equal-latency", "optimal"))
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.dynamic_chunking_smooth_factor <= 1.0, "dynamic_chunking_smooth_factor",
+                 f"must be in [0, 1], got {self.dynamic_chunking_smooth_factor}")
+        _require(self.dynamic_chunking_min_chunk_size >= 1, "dynamic_chunking_min_chunk_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = opt("127.0.0.1", "address to bind (loopback by default)")
+    port: int = opt(50051, "gRPC port (0: pick a free one)")
+    metrics_port: int | None = opt(None, "serve Prometheus metrics on this port")
+    max_queue_size: int = opt(256, "requests waiting or running before RESOURCE_EXHAUSTED")
+    max_message_bytes: int = opt(4 * 1024 * 1024, "largest gRPC message accepted or sent")
+    tls_cert: str | None = opt(None, "PEM certificate chain for TLS")
+    tls_key: str | None = opt(None, "PEM private key for TLS")
+    api_key: str | None = opt(None, "require this key in the 'authorization: Bearer <key>' metadata")
+    shutdown_grace_s: float = opt(30.0, "seconds in-flight requests may finish after SIGTERM")
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(self.max_queue_size >= 1, "max_queue_size", "must be >= 1")
+        _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert",
+                 "--tls-cert and --tls-key must be given together")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+
+    def __post_init__(self) -> None:
+        if self.chunking.enable_dynamic_chunking:
+            _require(self.parallel.pipeline_parallel_size > 1, "enable_dynamic_chunking",
+                     "needs --pipeline-parallel-size > 1")
+            _require(self.scheduler.enable_chunked_prefill, "enable_dynamic_chunking",
+                     "needs chunked prefill (drop --no-enable-chunked-prefill)")
+
+    @staticmethod
+    def from_kwargs(**kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments named like the CLI flags (`max_num_batched_tokens=512`)."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        owners = {fld.name: name for name, cls in _SECTIONS.items() for fld in dataclasses.fields(cls)}
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise ConfigError(f"unknown engine option {key!r}")
+            sections[owners[key]][key] = value
+        return EngineConfig(**{name: _SECTIONS[name](**vals) for name, vals in sections.items()})
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig, "chunking": ChunkingConfig,
+}

@@ -1,0 +1,65 @@
+"""What the engine hands back: per-request outputs and metrics, engine stats, model info (host side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float                   # time.monotonic() when the request was added
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive output tokens
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]                  # every token generated so far
+    new_token_ids: list[int]              # the tokens this step added
+    finished: bool
+    finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort"; None while running
+    metrics: RequestMetrics
+    text: str = ""                        # detokenized token_ids (filled by the engine when it has a tokenizer)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_pages_used: int
+    num_pages_free: int
+    num_pages_total: int
+    num_compilations_since_warmup: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_preemptions_total: int
+    dynamic_chunking: dict[str, Any] = field(default_factory=dict)  # state and counters, once enabled
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    block_size: int
+    max_num_batched_tokens: int
+    pipeline_parallel_size: int
+    tensor_parallel_size: int
+    eos_token_ids: tuple[int, ...]
