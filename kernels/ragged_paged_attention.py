@@ -4,18 +4,67 @@ Each sequence's new tokens (its queries) attend causally to themselves and fully
 cached prefix. Queries are flat over tokens (`cu_q_lens` marks where each sequence starts); K/V live in
 pages `[num_pages, page_size, num_kv_heads, head_dim]` addressed by `page_indices`.
 
-This file holds the pure-JAX reference, which is also the CPU ("xla") path of the engine, and the op
-that writes a step's new K/V into the pages.
+This file holds, as JAX's own Pallas ops do, the Pallas kernel, its wrapper (input checks, layout), the
+jitted API `ragged_paged_attention`, the pure-JAX reference (also the CPU "xla" path of the engine) and
+the op that writes a step's new K/V into the pages (kept separate: the kernel only reads pages).
+
+The kernel. Grid = (query blocks of `block_q` tokens, KV heads). One program owns the
+`block_q * group` query rows of one block and one KV head (rows are token-major: row r is token
+`r // group`, query head `kv_head * group + r % group`, so GQA shares every K/V load across the group).
+The wrapper computes, as data, the first and last sequence each query block touches; the program loops
+over those sequences (`fori_loop`, dynamic bounds) and, for each, over its KV blocks of
+`pages_per_block` pages read through `page_indices`, only as far as the block's last query may see.
+Scores are masked by sequence membership and causality (query at position p sees KV positions <= p),
+then folded into an fp32 online softmax (running max, denominator, accumulator). A decode-only block
+thus visits up to `block_q` short sequences; a prefill block usually one. Nothing here depends on the
+decode/prefill mix as shape: a new mix is new data and compiles nothing.
+
+Triton (the only Pallas GPU lowering that takes ROCm) is the target: metadata arrives as plain int32
+inputs read with scalar loads (there is no scalar prefetch), every loaded tile is a power of two, dots
+are at least 16 wide. The same code runs anywhere with `interpret=True`.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jaxcpp.kernels.metadata import AttentionMetadata
 
 DEFAULT_KV_BLOCK_TOKENS = 128  # KV positions visited per loop iteration of the reference
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(MASK - m) is 0, never NaN
+
+
+class BlockSizes(NamedTuple):
+    q_rows: int  # query rows per program (tokens x query heads of one KV head); block_q = q_rows // group
+    kv_tokens: int  # KV positions per inner step; pages_per_block = kv_tokens // page_size
+    num_warps: int  # Triton launch parameters
+    num_stages: int
+
+
+# Defaults keyed by (head_dim, page_size). Chosen for Triton register budgets, NOT tuned on a GPU
+# (none was lent yet): benchmarks/kernels.py is the place to tune them.
+BLOCK_SIZES: dict[tuple[int, int], BlockSizes] = {
+    (64, 16): BlockSizes(q_rows=64, kv_tokens=64, num_warps=4, num_stages=2),
+    (64, 64): BlockSizes(q_rows=64, kv_tokens=64, num_warps=4, num_stages=2),
+    (128, 16): BlockSizes(q_rows=64, kv_tokens=64, num_warps=4, num_stages=2),
+    (128, 64): BlockSizes(q_rows=64, kv_tokens=64, num_warps=4, num_stages=2),
+    (256, 16): BlockSizes(q_rows=32, kv_tokens=32, num_warps=8, num_stages=1),
+    (256, 64): BlockSizes(q_rows=32, kv_tokens=64, num_warps=8, num_stages=1),
+}
+# AMD: 64-wide wavefronts, so fewer warps fill a CU; single-stage pipelining is the safe Triton default.
+ROCM_LAUNCH = {"num_warps": 4, "num_stages": 1}
+
+
+def default_block_sizes(head_dim: int, page_size: int, *, rocm: bool = False) -> BlockSizes:
+    sizes = BLOCK_SIZES.get((head_dim, page_size), BlockSizes(64, max(64, page_size), 4, 2))
+    return sizes._replace(**ROCM_LAUNCH) if rocm else sizes
 
 
 def write_kv_pages(
@@ -77,7 +126,7 @@ def ragged_paged_attention_reference(
     qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
 
     def body(state):
-        i, m, l, acc = state
+        i, m, denom, acc = state
         pages = jax.lax.dynamic_slice_in_dim(token_pages, i * pages_per_block, pages_per_block, axis=1)
         k = k_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
         v = v_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
@@ -89,9 +138,9 @@ def ragged_paged_attention_reference(
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen nothing yet
         p = jnp.exp(s - m_safe[..., None])
         correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * correction + p.sum(axis=-1)
+        denom = denom * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum("tkgn,tnkd->tkgd", p, v)
-        return i + 1, m_new, l, acc
+        return i + 1, m_new, denom, acc
 
     stats_shape = (num_tokens, num_kv_heads, group)
     init = (
@@ -100,7 +149,190 @@ def ragged_paged_attention_reference(
         jnp.zeros(stats_shape, jnp.float32),
         jnp.zeros((*stats_shape, head_dim), jnp.float32),
     )
-    _, _, l, acc = jax.lax.while_loop(lambda s: s[0] < num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    _, _, denom, acc = jax.lax.while_loop(lambda s: s[0] < num_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.where(is_real[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+
+
+def _kernel(
+    first_seq_ref,  # [num_q_blocks] int32: first sequence touching each query block
+    last_seq_ref,  # [num_q_blocks] int32: last one (first > last: the block is padding)
+    cu_q_lens_ref,  # [S + 1] int32
+    kv_lens_ref,  # [S] int32
+    page_indices_ref,  # [S, P'] int32, P' a multiple of pages_per_block
+    q_ref,  # [block_q, group, head_dim]
+    k_pages_ref,  # [num_pages, page_size, head_dim] (this program's KV head)
+    v_pages_ref,  # [num_pages, page_size, head_dim]
+    o_ref,  # [block_q, group, head_dim]
+    *,
+    sm_scale: float,
+    pages_per_block: int,
+):
+    block_q, group, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    rows, block_kv = block_q * group, pages_per_block * page_size
+    q_block = pl.program_id(0)
+    t0 = q_block * block_q
+    q = q_ref[...].reshape(rows, head_dim)
+    row_token = t0 + jnp.arange(rows, dtype=jnp.int32)[:, None] // group  # [rows, 1]
+    kv_offsets = jnp.arange(block_kv, dtype=jnp.int32)[None, :]  # [1, block_kv]
+
+    def visit_sequence(s, carry):
+        q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
+        first_pos = kv_len - (q_end - q_start)  # position of the sequence's first new token
+        lo, hi = jnp.maximum(q_start, t0), jnp.minimum(q_end, t0 + block_q)
+        # The block's last query of this sequence sees the most KV; nothing past it is read.
+        kv_end = jnp.where(hi > lo, first_pos + hi - q_start, 0)
+        in_seq = (row_token >= lo) & (row_token < hi)
+        visible = jnp.where(in_seq, first_pos + row_token - q_start + 1, 0)  # [rows, 1]
+
+        def visit_kv_block(j, carry):
+            m, denom, acc = carry
+            pages = page_indices_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
+            k = k_pages_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
+            v = v_pages_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
+            scores = lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            ) * sm_scale
+            mask = j * block_kv + kv_offsets < visible  # [rows, block_kv]
+            scores = jnp.where(mask, scores, MASK_VALUE)
+            m_new = jnp.maximum(m, scores.max(axis=1))
+            correction = jnp.exp(m - m_new)  # rows untouched by this block keep m, so 1
+            p = jnp.where(mask, jnp.exp(scores - m_new[:, None]), 0.0)
+            denom = denom * correction + p.sum(axis=1)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            return m_new, denom, acc * correction[:, None] + pv
+
+        return lax.fori_loop(0, pl.cdiv(kv_end, block_kv), visit_kv_block, carry)
+
+    init = (
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    _, denom, acc = lax.fori_loop(first_seq_ref[q_block], last_seq_ref[q_block] + 1, visit_sequence, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]  # padding rows saw nothing: 0, as in the reference
+    o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- wrapper
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_inputs(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+    *, block_q: int, pages_per_block: int, interpret: bool,
+) -> None:
+    """Raise ValueError naming the shapes when the inputs or block sizes break the layout contract."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, num_heads, head_dim], got q.shape={q.shape}")
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError("k_pages and v_pages must both be [num_pages, page_size, num_kv_heads, head_dim], "
+                         f"got k_pages.shape={k_pages.shape}, v_pages.shape={v_pages.shape}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim differs: q.shape={q.shape}, k_pages.shape={k_pages.shape}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} (q.shape={q.shape}) is not a multiple of "
+                         f"num_kv_heads={num_kv_heads} (k_pages.shape={k_pages.shape})")
+    num_seqs = md.kv_lens.shape[0] if md.kv_lens.ndim == 1 else -1
+    expected = {
+        "cu_q_lens": (num_seqs + 1,), "kv_lens": (num_seqs,), "positions": (num_tokens,),
+        "slot_mapping": (num_tokens,), "num_seqs": (), "num_decodes": (),
+    }
+    for name, shape in expected.items():
+        arr = getattr(md, name)
+        if arr.shape != shape or arr.dtype != jnp.int32:
+            raise ValueError(f"md.{name} must be int32 {list(shape)} for q.shape={q.shape}, "
+                             f"kv_lens.shape={md.kv_lens.shape}; got {arr.dtype}{list(arr.shape)}")
+    pages = md.page_indices
+    if pages.ndim != 2 or pages.shape[0] != num_seqs or pages.dtype != jnp.int32:
+        raise ValueError(f"md.page_indices must be int32 [S={num_seqs}, pages_per_seq], "
+                         f"got {md.page_indices.dtype}{list(md.page_indices.shape)}")
+    if block_q < 1 or pages_per_block < 1:
+        raise ValueError(f"block sizes must be positive: {block_q=}, {pages_per_block=}")
+    if not interpret:  # Triton: power-of-two tiles, dots at least 16 wide
+        group, block_kv = num_heads // num_kv_heads, pages_per_block * page_size
+        for what, n in (("block_q * group", block_q * group), ("pages_per_block * page_size", block_kv),
+                        ("head_dim", head_dim)):
+            if not _is_pow2(n) or n < 16:
+                raise ValueError(f"{what}={n} must be a power of two >= 16 for the Triton lowering "
+                                 f"(q.shape={q.shape}, k_pages.shape={k_pages.shape}, block_q={block_q}, "
+                                 f"pages_per_block={pages_per_block})")
+
+
+def _block_seq_ranges(md: AttentionMetadata, num_q_blocks: int, block_q: int) -> tuple[jax.Array, jax.Array]:
+    """First and last real sequence each query block touches (first > last for all-padding blocks)."""
+    num_real = md.cu_q_lens[md.num_seqs]
+    t0 = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
+    t_last = jnp.minimum(t0 + block_q, num_real) - 1
+    seq_ends = md.cu_q_lens[1:]
+    first = jnp.searchsorted(seq_ends, t0, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(seq_ends, t_last, side="right").astype(jnp.int32)
+    empty = t0 >= num_real
+    return jnp.where(empty, 0, first), jnp.where(empty, -1, last)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_q", "pages_per_block", "num_warps", "num_stages", "interpret"),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    md: AttentionMetadata,
+    *,
+    sm_scale: float | None = None,
+    block_q: int | None = None,  # query tokens per program; default from BLOCK_SIZES
+    pages_per_block: int | None = None,  # KV pages per inner step; default from BLOCK_SIZES
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, num_heads, head_dim]
+    """The Pallas kernel behind the reference's contract: same inputs, same output, fp32 accumulation."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // max(num_kv_heads, 1)
+    sizes = default_block_sizes(head_dim, page_size)
+    block_q = block_q or max(1, sizes.q_rows // max(group, 1))
+    pages_per_block = pages_per_block or max(1, sizes.kv_tokens // page_size)
+    check_inputs(q, k_pages, v_pages, md, block_q=block_q, pages_per_block=pages_per_block,
+                 interpret=interpret)
+
+    num_q_blocks = pl.cdiv(num_tokens, block_q)
+    padded_tokens = num_q_blocks * block_q
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
+    page_indices = md.page_indices
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % pages_per_block)))
+    first_seq, last_seq = _block_seq_ranges(md, num_q_blocks, block_q)
+
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))  # noqa: E731
+    kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0))
+    q_spec = pl.BlockSpec((block_q, None, group, head_dim), lambda i, h: (i, h, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(_kernel, sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale,
+                          pages_per_block=pages_per_block),
+        grid=(num_q_blocks, num_kv_heads),
+        in_specs=[
+            whole(first_seq.shape), whole(last_seq.shape), whole(md.cu_q_lens.shape),
+            whole(md.kv_lens.shape), whole(page_indices.shape), q_spec, kv_spec, kv_spec,
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps or sizes.num_warps, num_stages=num_stages or sizes.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(first_seq, last_seq, md.cu_q_lens, md.kv_lens, page_indices, qg, k_pages, v_pages)
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)
