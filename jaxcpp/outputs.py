@@ -32,7 +32,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort"; None while running
     metrics: RequestMetrics
-    text: str = ""                        # detokenized token_ids (filled by the engine when it has a tokenizer)
+    text: str = ""                        # detokenized token_ids
+    logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,181 @@
+"""Chunk sizing: the per-step equal-latency solver (ATOM's rule), fixed chunks, and one entry point.
+
+How the pieces move: the scheduler (through `controller.py`) asks `next_chunk_size` for the chunk of the
+sole prefilling request at every step; `plan_chunks` replays that call until the prompt is done, which is
+what the CLI, the simulator and the tests use. The `optimal` policy plans the whole prompt at once in
+`optimal.py` and is reached through the same two functions.
+
+Every chunk the solver picks is snapped DOWN to an allowed size: the largest compiled token bucket not
+above it when the engine passes its buckets, else a multiple of the alignment max(block_size, 64).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jaxcpp.chunking.latency_model import LatencyModel
+
+POLICIES = ("fixed", "equal-latency", "optimal")
+# A chunk whose γ·L prefix rebuild would exceed this share of its own latency is too small to pay off.
+MAX_PREFIX_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """What the solver needs besides the model; one per engine, built from the config."""
+
+    budget: int                            # --max-num-batched-tokens: first, reference and largest chunk
+    smooth_factor: float = 0.75            # 0 = fixed chunks, 1 = the solved equal-latency chunk
+    min_chunk_size: int = 4096
+    block_size: int = 16
+    pipeline_parallel_size: int = 1
+    allowed_sizes: tuple[int, ...] | None = None   # compiled token buckets, ascending
+    stage_weights: tuple[float, ...] | None = None  # per-stage time relative to the model, for uneven PP
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if not 0.0 <= self.smooth_factor <= 1.0:
+            raise ValueError(f"smooth factor must be in [0, 1], got {self.smooth_factor}")
+        if self.allowed_sizes is not None:
+            sizes = tuple(sorted(set(int(s) for s in self.allowed_sizes if s >= 1)))
+            object.__setattr__(self, "allowed_sizes", sizes)
+        if self.stage_weights is not None and len(self.stage_weights) != self.pipeline_parallel_size:
+            raise ValueError(f"{len(self.stage_weights)} stage weights for "
+                             f"{self.pipeline_parallel_size} pipeline stages")
+
+    @property
+    def alignment(self) -> int:
+        return max(self.block_size, 64)
+
+
+def snap_down(value: float, settings: ChunkSettings) -> int:
+    """The largest allowed chunk size <= value, or 0 when there is none."""
+    if value < 1:
+        return 0
+    if settings.allowed_sizes is not None:
+        i = bisect.bisect_right(settings.allowed_sizes, int(value))
+        return settings.allowed_sizes[i - 1] if i else 0
+    return int(value) // settings.alignment * settings.alignment
+
+
+def positive_root(qa: float, qb: float, qc: float) -> float:
+    """The larger root of qa·x² + qb·x + qc = 0 (qa >= 0), in the cancellation-free form; nan if none."""
+    if qa <= 0.0:
+        return -qc / qb if qb > 0.0 else math.nan
+    disc = qb * qb - 4.0 * qa * qc
+    if disc < 0.0:
+        return math.nan
+    root = math.sqrt(disc)
+    # For qb > 0 the textbook (-qb + root) / 2qa loses digits when qc is small; 2qc / (-qb - root) does not.
+    return (-2.0 * qc) / (qb + root) if qb > 0.0 else (-qb + root) / (2.0 * qa)
+
+
+def raw_equal_latency_chunk(model: LatencyModel, prefix_len: int, base: int) -> float:
+    """The x with t(L, x) = t(0, base), before smoothing and clamps; nan when none is reachable.
+
+    target = a·base² + b·base − γ·L (c cancels; γ·L is a floor every chunk pays); x solves
+    a·x² + (2·a·L + b)·x − target = 0.
+    """
+    target = model.a * base * base + model.b * base - model.gamma * prefix_len
+    if target <= 0.0:
+        return math.nan
+    return positive_root(model.a, 2.0 * model.a * prefix_len + model.b, -target)
+
+
+def prefix_floor(model: LatencyModel, prefix_len: int) -> float:
+    """The smallest x for which γ·L is at most MAX_PREFIX_SHARE of t(L, x) (0 when any x is fine)."""
+    overhang = model.gamma * prefix_len / MAX_PREFIX_SHARE - model.gamma * prefix_len - model.c
+    if overhang <= 0.0:
+        return 0.0
+    root = positive_root(model.a, 2.0 * model.a * prefix_len + model.b, -overhang)
+    return 0.0 if math.isnan(root) else root
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    size: int
+    source: str  # "model": sized by the solver; "unreachable": kept the fixed chunk
+
+
+def equal_latency_chunk(model: LatencyModel, prefix_len: int, budget: int,
+                        settings: ChunkSettings) -> ChunkChoice:
+    """One step of ATOM's rule: the chunk after `prefix_len` tokens that takes as long as the first.
+
+    `budget` is what is left of this step's token budget; the base (first chunk) is `settings.budget`.
+    Unreachable equal latency, or a chunk that aligns to nothing, keeps the fixed chunk.
+    """
+    base = settings.budget
+    fixed = ChunkChoice(min(base, budget), "unreachable")
+    raw = raw_equal_latency_chunk(model, prefix_len, base)
+    if math.isnan(raw):
+        return fixed
+    smoothed = base + settings.smooth_factor * (raw - base)
+    lower = max(settings.alignment, settings.min_chunk_size, prefix_floor(model, prefix_len))
+    size = snap_down(min(max(smoothed, lower), base, budget), settings)
+    if size < settings.alignment:
+        return fixed
+    return ChunkChoice(size, "model")
+
+
+def next_chunk_size(policy: str, model: LatencyModel | None, prompt_len: int, num_computed_tokens: int,
+                    budget: int, settings: ChunkSettings) -> int:
+    """The chunk to schedule now for a prompt with `num_computed_tokens` already scheduled.
+
+    Stateless: `optimal` replans the rest of the prompt on every call (the controller caches its plans).
+    """
+    remaining = prompt_len - num_computed_tokens
+    if remaining <= 0 or budget <= 0:
+        return 0
+    if policy == "fixed" or model is None:
+        return min(settings.budget, budget, remaining)
+    if policy == "equal-latency":
+        return min(equal_latency_chunk(model, num_computed_tokens, budget, settings).size, remaining)
+    if policy == "optimal":
+        from jaxcpp.chunking.optimal import plan_optimal
+
+        first = plan_optimal(model, prompt_len, settings, start=num_computed_tokens)[0]
+        return first if first <= budget else min(max(snap_down(budget, settings), 1), remaining)
+    raise ValueError(f"unknown chunking policy {policy!r}; expected one of {', '.join(POLICIES)}")
+
+
+def plan_fixed(prompt_len: int, chunk: int, start: int = 0) -> list[int]:
+    """Fixed chunking: `chunk` tokens at a time, the remainder last."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    full, rest = divmod(prompt_len - start, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def plan_chunks(policy: str, prompt_len: int, settings: ChunkSettings,
+                model: LatencyModel | None = None, start: int = 0) -> list[int]:
+    """Every chunk of one prompt, prefilled alone with the full budget each step."""
+    if policy == "fixed" or model is None:
+        return plan_fixed(prompt_len, settings.budget, start)
+    if policy == "optimal":
+        from jaxcpp.chunking.optimal import plan_optimal
+
+        return plan_optimal(model, prompt_len, settings, start=start)
+    chunks: list[int] = []
+    done = start
+    while done < prompt_len:
+        chunk = next_chunk_size(policy, model, prompt_len, done, settings.budget, settings)
+        chunks.append(chunk)
+        done += chunk
+    return chunks
+
+
+def chunk_sizes_between(low: int, high: int, settings: ChunkSettings) -> list[int]:
+    """Allowed chunk sizes in [low, high], ascending (buckets, or multiples of the alignment)."""
+    if settings.allowed_sizes is not None:
+        return [s for s in settings.allowed_sizes if low <= s <= high]
+    step = settings.alignment
+    first = max(step, -(-low // step) * step)
+    return list(range(first, high + 1, step))
+
+
+def plan_summary(chunks: Sequence[int]) -> str:
+    return " ".join(str(c) for c in chunks)

@@ -1,0 +1,59 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the manner of vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from jaxcpp.config import EngineConfig
+from jaxcpp.engine import LLMEngine
+from jaxcpp.outputs import RequestOutput
+from jaxcpp.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", *, record_logits: bool = False, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs),
+                                record_logits=record_logits)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        inputs = self._inputs(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(inputs))
+        ids = [f"offline-{next(self._ids)}" for _ in inputs]
+        for request_id, prompt, p in zip(ids, inputs, params, strict=True):
+            self.engine.add_request(request_id, prompt, p)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+    @staticmethod
+    def _inputs(prompts: str | Sequence[str] | None,
+                prompt_token_ids: Sequence[Sequence[int]] | None) -> list[str | list[int]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [list(ids) for ids in prompt_token_ids]
+        return [prompts] if isinstance(prompts, str) else list(prompts or [])
+
+    @staticmethod
+    def _params(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+                ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
+        return list(sampling_params)

@@ -1,0 +1,103 @@
+"""Load a model for the engine and build the executor that runs it.
+
+Sizes that follow from the model and the flags are decided here once: the max model length, the
+pages per sequence, the number of KV pages, the token buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxcpp.buckets import token_buckets
+from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.kernels.backend import select_attention
+from jaxcpp.models.checkpoint import resolve_model
+from jaxcpp.models.config import LlamaConfig
+from jaxcpp.runtime.executor import Executor, SingleDeviceExecutor
+from jaxcpp.runtime.model_runner import ModelRunner, cast_params
+from jaxcpp.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    config: LlamaConfig
+    params: Any
+    tokenizer: Tokenizer
+    dtype_name: str
+    max_model_len: int
+    pages_per_seq: int
+    num_pages: int
+    token_buckets: list[int]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.config.eos_token_ids)
+
+
+def enable_compilation_cache() -> None:
+    """A persistent XLA cache makes restarts (and repeated test engines) skip compiles."""
+    path = os.environ.get("JAXCPP_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxcpp/xla"))
+    if path and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    enable_compilation_cache()
+    model_config, params, tokenizer = resolve_model(config.model.model)
+    dtype_name = _dtype_name(config.model.dtype, params)
+    params = cast_params(params, _DTYPES[dtype_name])
+    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
+                          f"{model_config.max_position_embeddings}")
+    page_size = config.cache.block_size
+    pages_per_seq = -(-max_model_len // page_size)
+    num_pages = _num_pages(config, model_config, pages_per_seq, jnp.dtype(_DTYPES[dtype_name]).itemsize)
+    buckets = token_buckets(config.scheduler.max_num_batched_tokens, page_size)
+    return LoadedModel(config.model.model, model_config, params, tokenizer, dtype_name, max_model_len,
+                       pages_per_seq, num_pages, buckets)
+
+
+def _dtype_name(flag: str, params: Any) -> str:
+    if flag != "auto":
+        return flag
+    return str(jax.tree_util.tree_leaves(params)[0].dtype)
+
+
+def _num_pages(config: EngineConfig, model: LlamaConfig, pages_per_seq: int, itemsize: int) -> int:
+    if config.cache.num_pages is not None:
+        num_pages = config.cache.num_pages
+    else:
+        page_bytes = (2 * model.num_hidden_layers * config.cache.block_size * model.num_key_value_heads
+                      * model.head_dim * itemsize) // config.parallel.pipeline_parallel_size
+        budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, page_bytes)
+        # More pages than every sequence at full length can use would only waste memory.
+        num_pages = min(budget, config.scheduler.max_num_seqs * pages_per_seq + 1)
+    if num_pages < pages_per_seq + 1:
+        raise ConfigError(f"--num-pages: {num_pages} pages cannot hold one sequence of --max-model-len "
+                          f"({pages_per_seq} pages of {config.cache.block_size} tokens, plus the reserved page)")
+    return num_pages
+
+
+def build_executor(config: EngineConfig, model: LoadedModel) -> Executor:
+    attention_fn = select_attention(config.model.attention_backend)
+    p = config.parallel
+    if p.pipeline_parallel_size * p.tensor_parallel_size > 1:
+        from jaxcpp.runtime.pipeline import build_pipeline_executor
+
+        return build_pipeline_executor(config, model, attention_fn)
+    runner = ModelRunner(model.config, model.params, model.num_pages, config.cache.block_size, attention_fn)
+    return SingleDeviceExecutor(runner)

@@ -1,0 +1,68 @@
+"""A request's life on the host: its tokens, how far its KV is computed, its pages (no jax).
+
+A sequence's tokens are its prompt followed by its outputs. `num_computed_tokens` counts the tokens
+whose K/V a scheduled step will have written; the scheduler advances it when it *schedules* a chunk,
+so the next chunk of the same prompt can enter the pipeline before the previous one has left it.
+A step whose chunk reaches the last token samples one new token; until that token is back the
+sequence is `awaiting_token` and cannot be scheduled again.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxcpp.outputs import RequestMetrics
+from jaxcpp.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                                   # the sampling seed actually used (params.seed or drawn)
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    awaiting_token: bool = False
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    logits: list[Any] = field(default_factory=list)  # per sampled token, only when the engine records them
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens not yet scheduled for a forward pass."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.output_token_ids) and self.num_remaining == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def pages_needed(self, num_new_tokens: int, page_size: int) -> int:
+        """More pages this sequence needs before `num_new_tokens` more tokens can be written."""
+        total = -(-(self.num_computed_tokens + num_new_tokens) // page_size)
+        return max(0, total - len(self.pages))
