@@ -1,0 +1,49 @@
+"""Host modules import no jax, and the small host pieces behave."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxcpp.buckets import pad_to_bucket, token_buckets
+from jaxcpp.page_allocator import PageAllocator
+
+HOST_MODULES = [
+    "jaxcpp", "jaxcpp.config", "jaxcpp.cli_args", "jaxcpp.sampling_params", "jaxcpp.sequence",
+    "jaxcpp.page_allocator", "jaxcpp.scheduler", "jaxcpp.buckets", "jaxcpp.step_input",
+    "jaxcpp.stats_logger", "jaxcpp.tokenizer", "jaxcpp.outputs", "jaxcpp.errors",
+    "jaxcpp.chunking.latency_model", "jaxcpp.chunking.planner",
+]
+
+
+@pytest.mark.parametrize("module", HOST_MODULES)
+def test_host_module_imports_no_jax(module):
+    code = f"import sys, {module}; assert 'jax' not in sys.modules, 'jax imported by {module}'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_buckets_are_aligned_and_bounded():
+    for budget, page in [(512, 16), (4096, 16), (32768, 128), (100, 64)]:
+        buckets = token_buckets(budget, page)
+        align = max(64, page)
+        assert all(b % align == 0 for b in buckets)
+        assert buckets == sorted(set(buckets)) and buckets[-1] >= budget
+        for n in range(1, budget + 1, 37):
+            padded = pad_to_bucket(n, buckets)
+            assert padded >= n and (padded - n < align or (padded - n) / n <= 0.25)
+    assert len(token_buckets(32768, 64)) < 64
+
+
+def test_page_allocator_reserves_page_zero_and_counts_refs():
+    alloc = PageAllocator(4)
+    pages = alloc.allocate(3)
+    assert 0 not in pages and alloc.num_free == 0
+    alloc.share(pages[:1])
+    alloc.free(pages)
+    assert alloc.num_free == 2
+    alloc.free(pages[:1])
+    assert alloc.num_free == 3
+    with pytest.raises(RuntimeError):
+        alloc.allocate(4)
