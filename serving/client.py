@@ -1,0 +1,254 @@
+"""Python client stubs for `jaxcpp.v1.JaxcppService`: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("Once upon a time", max_tokens=32, temperature=0).text)
+        for delta in c.stream("Once upon a time", max_tokens=32):
+            print(delta.text, end="")
+
+A prompt is text or a list of token ids. Sampling keywords left as None take the server's defaults
+(those of `jaxcpp.SamplingParams`). Errors surface as `grpc.RpcError` with the server's status code
+and a message that names the bad field. Leaving a `stream()` loop early cancels the call, and the
+server aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
+
+from jaxcpp.outputs import EngineStats, ModelInfo
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                   pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed message: the tokens and text since the previous one. The last has finish_reason."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop", "length", "abort" on the last delta; None before
+    num_prompt_tokens: int = 0         # last delta only
+    num_generated_tokens: int = 0      # last delta only
+    ttft_s: float = 0.0                # last delta only: the engine's time to first token
+    e2e_s: float = 0.0                 # last delta only: admission to last token
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    engine: EngineStats
+    num_in_flight: int                 # Generate calls the server holds now
+    max_queue_size: int
+    uptime_s: float
+    dynamic_chunking_labels: dict[str, str] = field(default_factory=dict)
+
+
+def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
+                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                  ignore_eos: bool = False) -> pb.GenerateRequest:
+    sampling = pb.SamplingParameters(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
+                        ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def delta_from_proto(msg: pb.GenerateResponse) -> Delta:
+    return Delta(request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
+                 finish_reason=_FINISH_REASONS.get(msg.finish_reason),
+                 num_prompt_tokens=msg.num_prompt_tokens, num_generated_tokens=msg.num_generated_tokens,
+                 ttft_s=msg.ttft_s, e2e_s=msg.e2e_s)
+
+
+def _join(deltas: list[Delta]) -> Completion:
+    last = deltas[-1]
+    return Completion(request_id=last.request_id, text="".join(d.text for d in deltas),
+                      token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
+                      num_prompt_tokens=last.num_prompt_tokens,
+                      num_generated_tokens=last.num_generated_tokens,
+                      ttft_s=last.ttft_s, e2e_s=last.e2e_s)
+
+
+def _model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(name=msg.name, architecture=msg.architecture, vocab_size=msg.vocab_size,
+                     max_model_len=msg.max_model_len, num_layers=msg.num_layers, hidden_size=msg.hidden_size,
+                     dtype=msg.dtype, block_size=msg.block_size,
+                     max_num_batched_tokens=msg.max_num_batched_tokens,
+                     pipeline_parallel_size=msg.pipeline_parallel_size,
+                     tensor_parallel_size=msg.tensor_parallel_size, eos_token_ids=tuple(msg.eos_token_ids))
+
+
+def _server_stats(msg: pb.GetServerStatsResponse) -> ServerStats:
+    engine = EngineStats(
+        num_running=msg.num_running, num_waiting=msg.num_waiting, num_pages_used=msg.num_pages_used,
+        num_pages_free=msg.num_pages_free, num_pages_total=msg.num_pages_total,
+        num_compilations_since_warmup=msg.num_compilations_since_warmup,
+        num_prompt_tokens_total=msg.num_prompt_tokens_total,
+        num_generation_tokens_total=msg.num_generation_tokens_total,
+        num_preemptions_total=msg.num_preemptions_total, dynamic_chunking=dict(msg.dynamic_chunking.values))
+    return ServerStats(engine=engine, num_in_flight=msg.num_in_flight, max_queue_size=msg.max_queue_size,
+                       uptime_s=msg.uptime_s, dynamic_chunking_labels=dict(msg.dynamic_chunking.labels))
+
+
+class _Connection:
+    """Channel settings shared by both clients."""
+
+    def __init__(self, target: str, api_key: str | None, tls: bool,
+                 root_certificates: bytes | str | Path | None, server_name: str | None,
+                 max_message_bytes: int) -> None:
+        self.target = target
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self.options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
+                                               ("grpc.max_send_message_length", max_message_bytes)]
+        if server_name:
+            self.options.append(("grpc.ssl_target_name_override", server_name))
+        self.credentials: grpc.ChannelCredentials | None = None
+        if tls or root_certificates is not None:
+            roots = Path(root_certificates).read_bytes() if isinstance(root_certificates, str | Path) \
+                else root_certificates
+            self.credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; None: no deadline."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, server_name: str | None = None,
+                 max_message_bytes: int = 4 * 1024 * 1024, timeout: float | None = None) -> None:
+        conn = _Connection(target, api_key, tls, root_certificates, server_name, max_message_bytes)
+        self._metadata = conn.metadata
+        self._timeout = timeout
+        self.channel = grpc.secure_channel(target, conn.credentials, conn.options) if conn.credentials \
+            else grpc.insecure_channel(target, conn.options)
+        self._stub = pb_grpc.JaxcppServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the channel is connected (raises grpc.FutureTimeoutError)."""
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+               **sampling: Any) -> Iterator[Delta]:
+        """Yield deltas as tokens arrive. Keywords: request_id and build_request's sampling fields."""
+        call = self._stub.Generate(build_request(prompt, **sampling), timeout=timeout or self._timeout,
+                                   metadata=self._metadata)
+        try:
+            for msg in call:
+                yield delta_from_proto(msg)
+        finally:
+            call.cancel()  # no-op once finished; aborts the request if the caller stopped early
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                 **sampling: Any) -> Completion:
+        return _join(list(self.stream(prompt, timeout=timeout, **sampling)))
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The standard health check: "SERVING", "NOT_SERVING", ..."""
+        response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                      timeout=timeout or self._timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return _model_info(self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self._timeout,
+                                                   metadata=self._metadata))
+
+    def stats(self, timeout: float | None = None) -> ServerStats:
+        return _server_stats(self._stub.GetServerStats(pb.GetServerStatsRequest(),
+                                                       timeout=timeout or self._timeout,
+                                                       metadata=self._metadata))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same methods as `Client` (awaitables; `stream` is an async iterator)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, tls: bool = False,
+                 root_certificates: bytes | str | Path | None = None, server_name: str | None = None,
+                 max_message_bytes: int = 4 * 1024 * 1024, timeout: float | None = None) -> None:
+        conn = _Connection(target, api_key, tls, root_certificates, server_name, max_message_bytes)
+        self._metadata = conn.metadata
+        self._timeout = timeout
+        self.channel = grpc.aio.secure_channel(target, conn.credentials, conn.options) if conn.credentials \
+            else grpc.aio.insecure_channel(target, conn.options)
+        self._stub = pb_grpc.JaxcppServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        import asyncio
+
+        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+
+    async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                     **sampling: Any) -> AsyncIterator[Delta]:
+        call = self._stub.Generate(build_request(prompt, **sampling), timeout=timeout or self._timeout,
+                                   metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield delta_from_proto(msg)
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
+                       **sampling: Any) -> Completion:
+        return _join([d async for d in self.stream(prompt, timeout=timeout, **sampling)])
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=timeout or self._timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return _model_info(await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                                          timeout=timeout or self._timeout,
+                                                          metadata=self._metadata))
+
+    async def stats(self, timeout: float | None = None) -> ServerStats:
+        return _server_stats(await self._stub.GetServerStats(pb.GetServerStatsRequest(),
+                                                             timeout=timeout or self._timeout,
+                                                             metadata=self._metadata))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

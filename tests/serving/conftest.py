@@ -1,0 +1,61 @@
+"""Serving fixtures: gRPC servers on ephemeral loopback ports, around the fake engine (fast) or the
+real engine on the bundled tiny model (one per session, shared: building it compiles every bucket)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from jaxcpp.serving.client import Client
+from jaxcpp.serving.server import ServerThread
+
+from jaxcpp.config import ServerConfig
+from tests.serving.fake_engine import FakeEngine
+
+# Small enough to compile fast on 2 CPU cores, large enough for a 32-stream test.
+REAL_ENGINE_KWARGS: dict[str, Any] = dict(model="tiny", dtype="float32", max_model_len=512,
+                                          max_num_batched_tokens=128, max_num_seqs=32, log_stats_interval_s=0)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ServerThread]]:
+    """serve(engine, **server_config) -> a started ServerThread on 127.0.0.1:<free port>."""
+    servers: list[ServerThread] = []
+
+    def start(engine: Any, **config: Any) -> ServerThread:
+        server = ServerThread(engine, ServerConfig(**{"port": 0, **config})).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace=0)
+
+
+@pytest.fixture
+def fake_client(serve: Callable[..., ServerThread]) -> Iterator[Client]:
+    server = serve(FakeEngine())
+    with Client(f"127.0.0.1:{server.port}", timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tiny_llm() -> Any:
+    from jaxcpp import LLM
+
+    return LLM(**REAL_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def real_server(tiny_llm: Any) -> Iterator[ServerThread]:
+    """One server around the session's tiny engine (tests must leave it idle: every page free)."""
+    server = ServerThread(tiny_llm.engine, ServerConfig(port=0, max_message_bytes=256 * 1024)).start()
+    yield server
+    server.stop(grace=0)
+
+
+@pytest.fixture
+def real_client(real_server: ServerThread) -> Iterator[Client]:
+    with Client(f"127.0.0.1:{real_server.port}", timeout=120) as client:
+        yield client
