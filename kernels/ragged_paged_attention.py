@@ -227,11 +227,8 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def check_inputs(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
-    *, block_q: int, pages_per_block: int, interpret: bool,
-) -> None:
-    """Raise ValueError naming the shapes when the inputs or block sizes break the layout contract."""
+def check_inputs(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata) -> None:
+    """Raise ValueError naming the shapes when the inputs break the layout contract."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got q.shape={q.shape}")
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
@@ -258,6 +255,14 @@ def check_inputs(
     if pages.ndim != 2 or pages.shape[0] != num_seqs or pages.dtype != jnp.int32:
         raise ValueError(f"md.page_indices must be int32 [S={num_seqs}, pages_per_seq], "
                          f"got {md.page_indices.dtype}{list(md.page_indices.shape)}")
+
+
+def check_block_sizes(
+    q: jax.Array, k_pages: jax.Array, *, block_q: int, pages_per_block: int, interpret: bool
+) -> None:
+    """Raise ValueError when the block sizes cannot tile; compiled, Triton's tile rules apply too."""
+    num_heads, head_dim = q.shape[1:]
+    page_size, num_kv_heads = k_pages.shape[1:3]
     if block_q < 1 or pages_per_block < 1:
         raise ValueError(f"block sizes must be positive: {block_q=}, {pages_per_block=}")
     if not interpret:  # Triton: power-of-two tiles, dots at least 16 wide
@@ -300,14 +305,14 @@ def ragged_paged_attention(
     interpret: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim]
     """The Pallas kernel behind the reference's contract: same inputs, same output, fp32 accumulation."""
+    check_inputs(q, k_pages, v_pages, md)
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // max(num_kv_heads, 1)
+    group = num_heads // num_kv_heads
     sizes = default_block_sizes(head_dim, page_size)
-    block_q = block_q or max(1, sizes.q_rows // max(group, 1))
+    block_q = block_q or max(1, sizes.q_rows // group)
     pages_per_block = pages_per_block or max(1, sizes.kv_tokens // page_size)
-    check_inputs(q, k_pages, v_pages, md, block_q=block_q, pages_per_block=pages_per_block,
-                 interpret=interpret)
+    check_block_sizes(q, k_pages, block_q=block_q, pages_per_block=pages_per_block, interpret=interpret)
 
     num_q_blocks = pl.cdiv(num_tokens, block_q)
     padded_tokens = num_q_blocks * block_q

@@ -1,0 +1,59 @@
+"""`--attention-backend {auto,pallas,xla}`: pick the attention function the model calls.
+
+Every choice returns a function with the reference's signature `(q, k_pages, v_pages, md) -> out`, so the
+model never learns which one it got, and each is safe to call inside `jax.jit`.
+
+- "xla": the pure-JAX reference (`ragged_paged_attention_reference`), the CPU path.
+- "pallas": the Pallas kernel. On a GPU it is compiled through the Triton lowering, selected explicitly
+  with `pltriton.CompilerParams` on CUDA and ROCm alike: Mosaic GPU (the default Pallas GPU lowering)
+  refuses ROCm, and the kernel is written for Triton (scalar metadata loads, gathered page loads).
+  ROCm only changes the launch defaults (`ROCM_LAUNCH`: fewer warps, as a wavefront is 64 wide).
+  Off a GPU it runs in interpret mode, so the engine's tests can exercise it on CPU.
+- "auto": "pallas" when `jax.default_backend() == "gpu"`, else "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.kernels.ragged_paged_attention import (
+    ROCM_LAUNCH,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+
+
+def is_rocm() -> bool:
+    """True when the default device is an AMD GPU (ROCm build of jaxlib)."""
+    if jax.default_backend() != "gpu":
+        return False
+    device = jax.devices()[0]
+    if device.platform == "rocm":
+        return True
+    version = getattr(device.client, "platform_version", "") or ""
+    return "rocm" in version.lower() or "hip" in version.lower()
+
+
+def resolve_backend(backend: str) -> str:
+    """Map "auto" to the concrete backend for this process's default device."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+def select_attention(backend: str, *, interpret: bool | None = None) -> AttentionFn:
+    """The attention function for `--attention-backend`; `interpret=None` means "only off a GPU"."""
+    if resolve_backend(backend) == "xla":
+        return ragged_paged_attention_reference
+    on_gpu = jax.default_backend() == "gpu"
+    interpret = (not on_gpu) if interpret is None else interpret
+    launch = ROCM_LAUNCH if on_gpu and not interpret and is_rocm() else {}
+    return functools.partial(ragged_paged_attention, interpret=interpret, **launch)

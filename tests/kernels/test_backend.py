@@ -1,0 +1,46 @@
+"""--attention-backend selection: which function each choice yields on CPU, and the ROCm launch switch."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import jax
+import pytest
+from jaxcpp.kernels import backend
+from jaxcpp.kernels.ragged_paged_attention import (
+    ROCM_LAUNCH,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+
+def test_auto_and_xla_pick_the_reference_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert backend.select_attention("auto") is ragged_paged_attention_reference
+    assert backend.select_attention("xla") is ragged_paged_attention_reference
+
+
+def test_pallas_on_cpu_interprets():
+    fn = backend.select_attention("pallas")
+    assert isinstance(fn, functools.partial) and fn.func is ragged_paged_attention
+    assert fn.keywords == {"interpret": True}
+
+
+def test_unknown_backend_names_the_flag():
+    with pytest.raises(ValueError, match="--attention-backend"):
+        backend.select_attention("triton")
+
+
+@pytest.mark.parametrize(
+    ("platform_version", "rocm"), [("rocm 6.3.1", True), ("cuda 12.8", False)]
+)
+def test_gpu_selects_compiled_pallas_with_vendor_launch(monkeypatch, platform_version, rocm):
+    device = SimpleNamespace(platform="gpu", client=SimpleNamespace(platform_version=platform_version))
+    monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backend.jax, "devices", lambda *a: [device])
+    assert backend.is_rocm() is rocm
+    assert backend.resolve_backend("auto") == "pallas"
+    fn = backend.select_attention("auto")
+    assert fn.func is ragged_paged_attention
+    assert fn.keywords == {"interpret": False, **(ROCM_LAUNCH if rocm else {})}
