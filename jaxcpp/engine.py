@@ -58,13 +58,18 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model folder has no tokenizer.json: send token ids")
+        return self.tokenizer.encode(prompt)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len, vocab = self.model.max_model_len, self.model.config.vocab_size
@@ -155,7 +160,8 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
                              seq.is_finished, seq.finish_reason, seq.metrics,
-                             self.tokenizer.decode(seq.output_token_ids), logits=seq.logits or None)
+                             self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else "",
+                             logits=seq.logits or None)
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
