@@ -1,0 +1,372 @@
+"""Serving benchmark for a jaxcpp gRPC server, in the manner of vLLM's benchmark_serving.
+
+`run`: requests arrive as a Poisson process (or Gamma with `--burstiness`) at `--request-rate`, at
+most `--max-concurrency` in flight; prompts are random token ids of `--random-input-len` (±range
+ratio) or come from a JSONL dataset ({"prompt": str | [ids], "output_len": int}); every request
+streams `output_len` tokens (ignore_eos). Optionally a long prompt is injected at fixed times
+(`--inject-long-prompt N --inject-every S`): the chunked-prefill ITL study of seed 002 §7. Reports
+TTFT, TPOT, ITL and end-to-end latency (mean, median, p99 and --percentiles), request and token
+throughput, goodput under `--goodput` SLOs; `--result-file` writes all of it, with per-request
+token timestamps, as JSON.
+
+`sweep`: starts one `jaxcpp serve` per configuration (chunking off, then each
+`--max-num-batched-tokens`), runs the same workload against each, and writes the markdown table and
+the ITL-over-time plot.
+
+    python benchmarks/serving.py run --target 127.0.0.1:50051 --num-prompts 200 --request-rate 8
+    python benchmarks/serving.py sweep --budgets 64,128,256 --out docs/benchmarks_serving.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jaxcpp.serving.client import AsyncClient
+
+
+@dataclass
+class RequestSpec:
+    prompt: str | list[int]
+    output_len: int
+    kind: str = "normal"          # "normal" or "long" (an injected long prompt)
+    send_at: float | None = None  # fixed send time (s after start) for injected requests
+
+
+@dataclass
+class RequestResult:
+    kind: str
+    prompt_len: int
+    start: float                  # seconds after the benchmark started
+    success: bool = False
+    error: str = ""
+    output_len: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # arrival of each token-carrying message
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+# -- workload ------------------------------------------------------------------------------------
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab: list[int],
+                    rng: random.Random) -> list[RequestSpec]:
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    return [RequestSpec([rng.choice(vocab) for _ in range(length(input_len))], length(output_len))
+            for _ in range(n)]
+
+
+def dataset_requests(path: str, n: int, default_output_len: int) -> list[RequestSpec]:
+    specs = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                specs.append(RequestSpec(row["prompt"], int(row.get("output_len", default_output_len))))
+    if not specs:
+        raise SystemExit(f"{path}: no requests")
+    return [specs[i % len(specs)] for i in range(n)]
+
+
+def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Gaps between sends: Gamma(shape=burstiness, mean 1/rate); burstiness 1 is a Poisson process."""
+    if math.isinf(rate):
+        return [0.0] * n
+    return list(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n))
+
+
+# -- running -------------------------------------------------------------------------------------
+async def _one(client: AsyncClient, spec: RequestSpec, t0: float) -> RequestResult:
+    prompt_len = len(spec.prompt) if isinstance(spec.prompt, list) else 0
+    start = time.perf_counter()
+    res = RequestResult(spec.kind, prompt_len, start - t0)
+    last = start
+    try:
+        async for delta in client.stream(spec.prompt, max_tokens=spec.output_len, temperature=0.0,
+                                         ignore_eos=True):
+            now = time.perf_counter()
+            if delta.token_ids:
+                if res.output_len == 0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                res.token_times.append(now - t0)
+                res.output_len += len(delta.token_ids)
+                last = now
+            if delta.finish_reason is not None:
+                res.prompt_len = delta.num_prompt_tokens
+        res.e2el = time.perf_counter() - start
+        res.success = True
+    except Exception as exc:  # a failed request is reported, not fatal
+        res.error = repr(exc)
+    return res
+
+
+async def run_workload(target: str, specs: list[RequestSpec], gaps: list[float], max_concurrency: int | None,
+                       api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    async with AsyncClient(target, api_key=api_key) as client:
+        await client.wait_ready(30)
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        t0 = time.perf_counter()
+
+        async def limited(spec: RequestSpec) -> RequestResult:
+            if sem is None:
+                return await _one(client, spec, t0)
+            async with sem:
+                return await _one(client, spec, t0)
+
+        async def at(spec: RequestSpec) -> RequestResult:  # injected: fixed time, outside the limit
+            assert spec.send_at is not None
+            await asyncio.sleep(max(0.0, t0 + spec.send_at - time.perf_counter()))
+            return await _one(client, spec, t0)
+
+        tasks = [asyncio.create_task(at(s)) for s in specs if s.send_at is not None]
+        for spec, gap in zip([s for s in specs if s.send_at is None], gaps, strict=False):
+            tasks.append(asyncio.create_task(limited(spec)))
+            await asyncio.sleep(gap)
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t0
+
+
+# -- reporting -----------------------------------------------------------------------------------
+def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, **{f"p{p:g}": 0.0 for p in percentiles}}
+    arr = np.asarray(values) * 1e3  # milliseconds
+    out = {"mean": float(arr.mean()), "median": float(np.median(arr))}
+    out.update({f"p{p:g}": float(np.percentile(arr, p)) for p in percentiles})
+    return out
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> SLOs in ms; keys ttft, tpot, e2el."""
+    slos = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not value:
+            raise SystemExit(f"--goodput: expected ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slos[key] = float(value)
+    return slos
+
+
+def summarize(results: list[RequestResult], duration: float, percentiles: list[float],
+              slos: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    normal = [r for r in ok if r.kind == "normal"]
+    long = [r for r in ok if r.kind == "long"]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    good = [r for r in ok if all(getattr(r, k) * 1e3 <= v for k, v in slos.items())]
+    return {
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "goodput_slos_ms": slos, "request_goodput": len(good) / duration if slos else None,
+        # Latencies of the ordinary requests; the injected long prompts are reported on their own.
+        "ttft_ms": _stats([r.ttft for r in normal], percentiles),
+        "tpot_ms": _stats([r.tpot for r in normal if r.output_len > 1], percentiles),
+        "itl_ms": _stats([g for r in normal for g in r.itl], percentiles),
+        "e2el_ms": _stats([r.e2el for r in normal], percentiles),
+        "long_prompt_ttft_ms": _stats([r.ttft for r in long], percentiles) if long else None,
+    }
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"{'completed / failed':<32}{s['completed']} / {s['failed']}")
+    print(f"{'duration (s)':<32}{s['duration_s']:.2f}")
+    print(f"{'request throughput (req/s)':<32}{s['request_throughput']:.2f}")
+    print(f"{'output token throughput (tok/s)':<32}{s['output_throughput']:.1f}")
+    print(f"{'total token throughput (tok/s)':<32}{s['total_token_throughput']:.1f}")
+    if s["request_goodput"] is not None:
+        print(f"{'request goodput (req/s)':<32}{s['request_goodput']:.2f}  SLOs {s['goodput_slos_ms']}")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "long_prompt_ttft_ms"):
+        if s[key] is not None:
+            print(f"{key:<32}" + "  ".join(f"{k} {v:.1f}" for k, v in s[key].items()))
+    for error in s["errors"]:
+        print(f"error: {error}")
+
+
+# -- commands ------------------------------------------------------------------------------------
+def build_workload(args: argparse.Namespace, vocab_size: int,
+                   eos: set[int]) -> tuple[list[RequestSpec], list[float]]:
+    rng = random.Random(args.seed)
+    vocab = [t for t in range(vocab_size) if t not in eos]
+    if args.dataset:
+        specs = dataset_requests(args.dataset, args.num_prompts, args.random_output_len)
+    else:
+        specs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                args.random_range_ratio, vocab, rng)
+    gaps = arrival_gaps(len(specs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+    if args.inject_long_prompt:
+        t = args.inject_at
+        while t < args.inject_until:
+            specs.append(RequestSpec([rng.choice(vocab) for _ in range(args.inject_long_prompt)],
+                                     args.inject_output_len, kind="long", send_at=t))
+            t += args.inject_every if args.inject_every > 0 else math.inf
+    return specs, gaps
+
+
+async def _model_vocab(target: str, api_key: str | None) -> tuple[int, set[int]]:
+    async with AsyncClient(target, api_key=api_key) as client:
+        await client.wait_ready(60)
+        info = await client.model_info()
+        return info.vocab_size, set(info.eos_token_ids)
+
+
+def run_once(args: argparse.Namespace, target: str) -> dict[str, Any]:
+    vocab_size, eos = asyncio.run(_model_vocab(target, args.api_key))
+    specs, gaps = build_workload(args, vocab_size, eos)
+    results, duration = asyncio.run(run_workload(target, specs, gaps, args.max_concurrency, args.api_key))
+    summary = summarize(results, duration, args.percentiles, parse_goodput(args.goodput))
+    return {"config": {k: v for k, v in vars(args).items() if k != "func"}, "summary": summary,
+            "requests": [asdict(r) for r in results]}
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    result = run_once(args, args.target)
+    print_summary(result["summary"])
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result, indent=1))
+    return 0 if result["summary"]["failed"] == 0 else 1
+
+
+class LocalServer:
+    """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM."""
+
+    def __init__(self, serve_args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--log-level", "warning",
+               *serve_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("jaxcpp: serving"):
+                self.target = line.split(" on ")[1].split()[0]
+                return
+        raise SystemExit(f"server exited with {self.proc.wait()}: {' '.join(cmd)}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    configs = [("chunked off", ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                                str(args.unchunked_budget)])]
+    configs += [(f"chunked, {b}", ["--max-num-batched-tokens", str(b)]) for b in args.budgets]
+    rows = []
+    for name, flags in configs:
+        server = LocalServer([*args.serve_args.split(), *flags])
+        t = time.time()
+        try:
+            result = run_once(args, server.target)
+        finally:
+            server.stop()
+        result["name"], result["serve_flags"] = name, flags
+        rows.append(result)
+        s = result["summary"]
+        print(f"{name:<16} p50 ITL {s['itl_ms']['median']:.1f} ms  p99 ITL {s['itl_ms']['p99']:.1f} ms  "
+              f"({time.time() - t:.0f}s)", flush=True)
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(rows, indent=1))
+    table = sweep_table(rows)
+    print(table)
+    if args.plot:
+        plot_itl_over_time(rows, args.plot)
+    return 0
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| configuration | p50 ITL | p95 ITL | p99 ITL | TTFT p95 | long-prompt TTFT | throughput |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        s = row["summary"]
+        long = s["long_prompt_ttft_ms"]
+        long_ttft = f"{long['mean']:.0f} ms" if long else "-"
+        lines.append(f"| {row['name']} | {s['itl_ms']['median']:.1f} ms | {s['itl_ms']['p95']:.1f} ms | "
+                     f"{s['itl_ms']['p99']:.1f} ms | {s['ttft_ms']['p95']:.0f} ms | {long_ttft} | "
+                     f"{s['output_throughput']:.0f} tok/s |")
+    return "\n".join(lines)
+
+
+def plot_itl_over_time(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    picks = [rows[0], min(rows[1:], key=lambda r: r["summary"]["itl_ms"]["p99"])] if len(rows) > 1 else rows
+    fig, axes = plt.subplots(len(picks), 1, figsize=(9, 2.6 * len(picks)), sharex=True, sharey=True)
+    for ax, row in zip(np.atleast_1d(axes), picks, strict=True):
+        for req in row["requests"]:
+            if req["kind"] == "normal" and req["itl"]:
+                ax.scatter(req["token_times"][1:], np.asarray(req["itl"]) * 1e3, s=2, color="tab:blue")
+            elif req["kind"] == "long":
+                ax.axvline(req["start"], color="tab:red", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title(f"{row['name']} (dashed: long prompt sent)", fontsize=10)
+    np.atleast_1d(axes)[-1].set_xlabel("time since start (s)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="benchmark a running server")
+    run.add_argument("--target", default="127.0.0.1:50051")
+    sweep = sub.add_parser("sweep", help="chunked-prefill study: one local server per configuration")
+    sweep.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
+    sweep.add_argument("--unchunked-budget", type=int, default=1024,
+                       help="--max-num-batched-tokens with chunking off (must hold the long prompt)")
+    sweep.add_argument("--serve-args", default="--model tiny", help="flags for every `jaxcpp serve`")
+    sweep.add_argument("--plot", default=None, help="write the ITL-over-time PNG here")
+    for p in (run, sweep):
+        p.add_argument("--api-key", default=None)
+        p.add_argument("--num-prompts", type=int, default=100)
+        p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+        p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson")
+        p.add_argument("--max-concurrency", type=int, default=None)
+        p.add_argument("--dataset", default=None, help='JSONL: {"prompt": str | [ids], "output_len": int}')
+        p.add_argument("--random-input-len", type=int, default=64)
+        p.add_argument("--random-output-len", type=int, default=64)
+        p.add_argument("--random-range-ratio", type=float, default=0.0)
+        p.add_argument("--inject-long-prompt", type=int, default=0, help="tokens of an injected long prompt")
+        p.add_argument("--inject-output-len", type=int, default=4)
+        p.add_argument("--inject-at", type=float, default=2.0, help="first injection, s after start")
+        p.add_argument("--inject-every", type=float, default=0.0, help="then every S seconds (0: once)")
+        p.add_argument("--inject-until", type=float, default=math.inf)
+        p.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms: ttft:500 tpot:50 e2el:5000")
+        p.add_argument("--percentiles", type=lambda s: [float(x) for x in s.split(",")], default=[95, 99])
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--result-file", default=None, help="write the JSON results here")
+    run.set_defaults(func=cmd_run)
+    sweep.set_defaults(func=cmd_sweep)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

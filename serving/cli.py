@@ -1,0 +1,222 @@
+"""The `jaxcpp` command: `serve`, `client`, `generate` and `chunk-plan`.
+
+    jaxcpp serve --model tiny --port 50051                      # gRPC server (engine + server flags)
+    jaxcpp client "def quicksort(" --max-tokens 64 --stream     # talk to it
+    jaxcpp generate --model tiny --prompt "def fibonacci(n):"   # offline, no server
+    jaxcpp chunk-plan ...                                       # dynamic chunking plans (jaxcpp.chunking.cli)
+
+Engine flags come from the config dataclasses (`jaxcpp.cli_args`), so they match the Python API.
+Only `serve` and `generate` import the engine (and so jax); `client` needs only grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jaxcpp.cli_args import add_config_args, add_engine_args, engine_config_from_args, server_config_from_args
+from jaxcpp.config import ConfigError, ServerConfig
+from jaxcpp.errors import InvalidRequestError, ModelLoadError
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=None,
+                       help="0 = greedy (default: the engine's, 1.0)")
+    group.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    group.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    group.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                       help="seed of this request's sampler")
+    group.add_argument("--stop-token-ids", type=_int_list, default=(), help="comma-separated stop ids")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.sampling_seed, stop_token_ids=tuple(args.stop_token_ids),
+                  ignore_eos=args.ignore_eos)
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _metrics_line(num_prompt: int, num_generated: int, finish: str | None, ttft_s: float,
+                  e2e_s: float) -> str:
+    tpot = (e2e_s - ttft_s) / (num_generated - 1) if num_generated > 1 else 0.0
+    rate = num_generated / e2e_s if e2e_s > 0 else 0.0
+    return (f"[prompt {num_prompt} tokens, generated {num_generated}, finish {finish}, "
+            f"TTFT {ttft_s * 1e3:.1f} ms, TPOT {tpot * 1e3:.1f} ms, e2e {e2e_s:.2f} s, {rate:.1f} tok/s]")
+
+
+# -- serve ---------------------------------------------------------------------------------------
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from jaxcpp.serving.server import Server, serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config = server_config_from_args(args)
+    engine_config = engine_config_from_args(args)
+    print(f"jaxcpp: loading {engine_config.model.model} and compiling every bucket ...", file=sys.stderr,
+          flush=True)
+    from jaxcpp.engine import LLMEngine
+
+    engine = LLMEngine(engine_config)
+
+    def ready(server: Server) -> None:
+        metrics = f", metrics on http://{server_config.host}:{server.metrics_port}/metrics" \
+            if server.metrics_port is not None else ""
+        tls = " (TLS)" if server_config.tls_cert else ""
+        where = f"{server_config.host}:{server.port}"
+        print(f"jaxcpp: serving {engine_config.model.model} on {where}{tls}{metrics}", flush=True)
+
+    return asyncio.run(serve(engine, server_config, on_ready=ready))
+
+
+# -- client --------------------------------------------------------------------------------------
+def _client(args: argparse.Namespace) -> int:
+    import grpc
+    from jaxcpp.serving.client import Client
+
+    with Client(args.target, api_key=args.api_key, tls=args.tls, root_certificates=args.tls_ca,
+                server_name=args.server_name, timeout=args.timeout) as client:
+        try:
+            return _client_call(client, args)
+        except grpc.RpcError as err:
+            print(f"jaxcpp client: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+
+
+def _client_call(client: Any, args: argparse.Namespace) -> int:
+    if args.health:
+        print(client.health())
+        return 0
+    if args.model_info:
+        print(client.model_info())
+        return 0
+    if args.stats:
+        print(client.stats())
+        return 0
+    if args.prompt is None and args.prompt_token_ids is None:
+        print("jaxcpp client: give a prompt (or --prompt-token-ids, --health, --model-info, --stats)",
+              file=sys.stderr)
+        return 2
+    prompt = args.prompt_token_ids if args.prompt_token_ids is not None else args.prompt
+    if args.stream:
+        last = None
+        for delta in client.stream(prompt, **_sampling_kwargs(args)):
+            print(delta.text, end="", flush=True)
+            last = delta
+        print()
+        assert last is not None
+        out: Any = last
+    else:
+        out = client.generate(prompt, **_sampling_kwargs(args))
+        print(out.text)
+    line = _metrics_line(out.num_prompt_tokens, out.num_generated_tokens, out.finish_reason, out.ttft_s,
+                         out.e2e_s)
+    print(line, file=sys.stderr)
+    return 0
+
+
+# -- generate (offline) --------------------------------------------------------------------------
+def _generate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from jaxcpp import LLM, SamplingParams
+
+    logging.basicConfig(level=logging.WARNING)
+    config = engine_config_from_args(args)  # validates; errors name the flag
+    flat = {k: v for section in dataclasses.asdict(config).values() for k, v in section.items()}
+    params = SamplingParams(**_sampling_kwargs(args))
+    out = LLM(**flat).generate(args.prompt, params)[0]
+    m = out.metrics
+    print(out.text)
+    print(_metrics_line(len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, m.ttft or 0.0,
+                        m.e2e or 0.0), file=sys.stderr)
+    return 0
+
+
+# -- parser --------------------------------------------------------------------------------------
+def _add_chunk_plan(subparsers: Any) -> None:
+    try:
+        from jaxcpp.chunking.cli import add_parser
+    except ModuleNotFoundError as err:
+        if err.name != "jaxcpp.chunking.cli":
+            raise
+        reason = "jaxcpp.chunking.cli is not part of this build"
+        p = subparsers.add_parser("chunk-plan", help=f"plan dynamic prompt chunks (unavailable: {reason})")
+        p.set_defaults(func=lambda args: _unavailable("chunk-plan", reason))
+        return
+    add_parser(subparsers)
+
+
+def _unavailable(command: str, reason: str) -> int:
+    print(f"jaxcpp {command}: unavailable: {reason}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxcpp",
+                                     description="JAX/XLA LLM inference engine and gRPC server")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the gRPC server", description="Run the gRPC server.")
+    add_engine_args(serve)
+    add_config_args(serve, ServerConfig)
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=_serve)
+
+    client = sub.add_parser("client", help="send a request to a server", description="Call a jaxcpp server.")
+    client.add_argument("prompt", nargs="?", help="prompt text")
+    client.add_argument("--prompt-token-ids", type=_int_list, default=None,
+                        help="prompt as comma-separated token ids")
+    client.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
+    client.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    client.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
+    client.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
+    client.add_argument("--tls-ca", default=None, help="PEM root certificate(s) to trust (implies --tls)")
+    client.add_argument("--server-name", default=None, help="TLS name to verify instead of the target's host")
+    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    what = client.add_mutually_exclusive_group()
+    what.add_argument("--health", action="store_true", help="print the health status")
+    what.add_argument("--model-info", action="store_true", help="print the model info")
+    what.add_argument("--stats", action="store_true", help="print the server stats")
+    _add_sampling_args(client)
+    client.set_defaults(func=_client)
+
+    # `--seed` here is the sampler's; the engine's --seed (random-model init) is replaced (resolve).
+    generate = sub.add_parser("generate", help="generate offline (no server)", conflict_handler="resolve",
+                              description="Generate offline with jaxcpp.LLM.")
+    generate.add_argument("--prompt", required=True, help="prompt text")
+    add_engine_args(generate)
+    _add_sampling_args(generate)
+    generate.set_defaults(func=_generate)
+
+    _add_chunk_plan(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, ModelLoadError, InvalidRequestError) as err:
+        print(f"jaxcpp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
