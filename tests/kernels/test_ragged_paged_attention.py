@@ -8,6 +8,8 @@ per sequence), so one compile serves all mixes: that is also what the no-recompi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,3 +207,14 @@ def test_triton_tile_constraints_checked_before_lowering():
     batch = make_batch("mixed", page_size=16, group=4, head_dim=64, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_q \\* group=12 must be a power of two"):
         ragged_paged_attention(*batch, block_q=3, interpret=False)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_through_triton_without_a_gpu(platform, dtype):
+    """Cross-lowering runs the Pallas->Triton IR step on CPU: tile shapes and primitives Triton lacks fail
+    here. (Triton's own compile to PTX/HSACO still needs the device.)"""
+    batch = make_batch("mixed", page_size=16, group=4, head_dim=128, dtype=dtype)
+    for kw in ({}, dict(block_q=4, pages_per_block=2, num_warps=4, num_stages=1)):
+        lowered = jax.jit(functools.partial(ragged_paged_attention, interpret=False, **kw)).trace(*batch)
+        assert "xla.gpu.triton" in lowered.lower(lowering_platforms=(platform,)).as_text()
