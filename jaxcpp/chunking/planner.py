@@ -138,8 +138,16 @@ def next_chunk_size(policy: str, model: LatencyModel | None, prompt_len: int, nu
         from jaxcpp.chunking.optimal import plan_optimal
 
         first = plan_optimal(model, prompt_len, settings, start=num_computed_tokens)[0]
-        return first if first <= budget else min(max(snap_down(budget, settings), 1), remaining)
+        return fit_budget(first, budget, remaining, settings)
     raise ValueError(f"unknown chunking policy {policy!r}; expected one of {', '.join(POLICIES)}")
+
+
+def fit_budget(chunk: int, budget: int, remaining: int, settings: ChunkSettings) -> int:
+    """A planned chunk cut to what is left of this step's budget: snapped down, else the fixed chunk."""
+    if chunk <= budget:
+        return min(chunk, remaining)
+    snapped = snap_down(budget, settings)
+    return min(snapped if snapped >= settings.alignment else budget, remaining)
 
 
 def plan_fixed(prompt_len: int, chunk: int, start: int = 0) -> list[int]:
