@@ -143,3 +143,14 @@ def test_metrics_are_recorded(llm):
     assert m.ttft is not None and m.ttft > 0 and m.e2e >= m.ttft
     assert len(m.itl) == 4 and all(x >= 0 for x in m.itl)
     assert np.isclose(m.ttft + sum(m.itl), m.e2e, atol=1e-3)
+
+
+def test_compile_guard_catches_a_compile():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcpp.runtime.compile_guard import CompileAfterWarmupError
+
+    with pytest.raises(CompileAfterWarmupError):
+        with forbid_compile():
+            jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))
