@@ -3,6 +3,7 @@ real engine on the bundled tiny model (one per session, shared: building it comp
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,9 +14,11 @@ from jaxcpp.serving.server import ServerThread
 from jaxcpp.config import ServerConfig
 from tests.serving.fake_engine import FakeEngine
 
+MODEL = os.environ.get("JAXCPP_TEST_MODEL", "tiny")  # the bundled model unless told otherwise
 # Small enough to compile fast on 2 CPU cores, large enough for a 32-stream test.
-REAL_ENGINE_KWARGS: dict[str, Any] = dict(model="tiny", dtype="float32", max_model_len=512,
+REAL_ENGINE_KWARGS: dict[str, Any] = dict(model=MODEL, dtype="float32", max_model_len=512,
                                           max_num_batched_tokens=128, max_num_seqs=32, log_stats_interval_s=0)
+MAX_MESSAGE_BYTES = 256 * 1024
 
 
 @pytest.fixture
@@ -50,7 +53,7 @@ def tiny_llm() -> Any:
 @pytest.fixture(scope="session")
 def real_server(tiny_llm: Any) -> Iterator[ServerThread]:
     """One server around the session's tiny engine (tests must leave it idle: every page free)."""
-    server = ServerThread(tiny_llm.engine, ServerConfig(port=0, max_message_bytes=256 * 1024)).start()
+    server = ServerThread(tiny_llm.engine, ServerConfig(port=0, max_message_bytes=MAX_MESSAGE_BYTES)).start()
     yield server
     server.stop(grace=0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from jaxcpp.serving.cli import build_parser, main
 
@@ -54,3 +56,17 @@ def test_chunk_plan_is_registered() -> None:
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args(["chunk-plan", "--help"])
         assert exit_.value.code == 0
+
+
+@pytest.mark.slow
+def test_generate_offline_prints_text_and_metrics(capsys) -> None:
+    from tests.serving.conftest import MODEL
+
+    argv = ["generate", "--model", MODEL, "--prompt", "def fibonacci(n):", "--max-tokens", "8",
+            "--temperature", "0", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+            "--max-num-seqs", "8", "--log-stats-interval-s", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert re.search(r"prompt 1[78] tokens, generated \d+", out.err) and "TTFT" in out.err, out.err
+    assert main(["generate", "--model", MODEL, "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
