@@ -51,3 +51,17 @@ def test_chunked_equals_unchunked(reference, make_llm, block_size, chunk):
     outs = llm.generate(prompt_token_ids=[*short_prompts(), list(long)], sampling_params=GREEDY)
     for out in outs:
         assert_same(out, reference[tuple(out.prompt_token_ids)])
+
+
+@pytest.mark.slow
+def test_chunked_equals_unchunked_with_pallas_kernel_in_interpret_mode(make_llm):
+    """The same exactness through the Pallas kernel (interpret mode on CPU), on a small config."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = list(range(3, 150))
+    kw = dict(max_model_len=256, attention_backend="pallas", num_pages=40)
+    whole = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=256, **kw)
+    chunked = make_llm(max_num_batched_tokens=64, **kw)
+    want = whole.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    got = chunked.generate(prompt_token_ids=[[5, 6, 7], prompt], sampling_params=params)[1]
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(np.stack(got.logits), np.stack(want.logits), atol=1e-5, rtol=0)
