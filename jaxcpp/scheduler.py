@@ -94,11 +94,11 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.chunk_sizer.observe_step(self._num_prefill_sources())
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_decodes(out, budget)
         budget = self._schedule_prefills(out, budget, self._running_prefills())
         self._schedule_prefills(out, budget, list(self.waiting), admit=True)
-        self.chunk_sizer.observe_step(self._num_prefill_sources())
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
@@ -154,7 +154,8 @@ class Scheduler:
         return [s for s in self.running if not s.awaiting_token and not s.is_decode and s.num_remaining > 0]
 
     def _num_prefill_sources(self) -> int:
-        prefilling = sum(1 for s in self.running if s.num_computed_tokens < len(s.prompt_token_ids))
+        """Requests that could take a prompt chunk now: partial prefills and waiting requests."""
+        prefilling = sum(1 for s in self.running if s.num_remaining > 1 or not s.output_token_ids)
         return prefilling + len(self.waiting)
 
     # ---- preemption by recompute ---------------------------------------------------------------
