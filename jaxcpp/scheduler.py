@@ -155,7 +155,8 @@ class Scheduler:
 
     def _num_prefill_sources(self) -> int:
         """Requests that could take a prompt chunk now: partial prefills and waiting requests."""
-        prefilling = sum(1 for s in self.running if s.num_remaining > 1 or not s.output_token_ids)
+        prefilling = sum(1 for s in self.running
+                         if s.num_remaining > 1 or s.num_computed_tokens < len(s.prompt_token_ids))
         return prefilling + len(self.waiting)
 
     # ---- preemption by recompute ---------------------------------------------------------------
