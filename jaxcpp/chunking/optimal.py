@@ -38,7 +38,7 @@ def planner_sizes(settings: ChunkSettings) -> np.ndarray:
 
 def _snap(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """Largest size <= each value, 0 where there is none."""
-    index = np.searchsorted(sizes, np.floor(np.minimum(values, 2.0**62)), side="right") - 1
+    index = np.searchsorted(sizes, np.floor(np.minimum(values, 2.0**62) + 1e-6), side="right") - 1
     return np.where(index >= 0, sizes[np.maximum(index, 0)], 0)
 
 
@@ -99,7 +99,7 @@ def fill_back(model: LatencyModel, prompt_len: int, start: int, sizes: np.ndarra
         if not active.any():
             break
         reach = np.minimum(_reach_backward(model, end, taus), sizes[-1])
-        inner = np.floor(reach) if not columns else _snap(reach, sizes)  # the remainder: any size
+        inner = np.floor(reach + 1e-6) if not columns else _snap(reach, sizes)  # the remainder: any size
         chunk = np.where(left <= reach, left, inner)
         alive &= ~(active & (chunk <= 0))
         chunk = np.where(active & alive, chunk, 0)

@@ -54,12 +54,14 @@ class ChunkSettings:
 
 def snap_down(value: float, settings: ChunkSettings) -> int:
     """The largest allowed chunk size <= value, or 0 when there is none."""
-    if value < 1:
+    # Rounding slack: the root at L = 0 is the base itself, computed as 32767.999999999996 or so.
+    tokens = math.floor(value + 1e-6)
+    if tokens < 1:
         return 0
     if settings.allowed_sizes is not None:
-        i = bisect.bisect_right(settings.allowed_sizes, int(value))
+        i = bisect.bisect_right(settings.allowed_sizes, tokens)
         return settings.allowed_sizes[i - 1] if i else 0
-    return int(value) // settings.alignment * settings.alignment
+    return tokens // settings.alignment * settings.alignment
 
 
 def positive_root(qa: float, qb: float, qc: float) -> float:

@@ -1,0 +1,238 @@
+"""The scheduler's one handle on dynamic chunking: state machine, gate, calibration and policy together.
+
+Contract (the scheduler calls, in this order each step):
+- `observe_step(num_prefill_sources)`: once per step, before sizing, with the number of requests that
+  could prefill now (running partial prefills + waiting requests that can prefill).
+- `chunk_size_for(request_id, prompt_len, num_computed_tokens, budget) -> int`: the chunk to schedule
+  for that request, never more than `budget` (what is left of this step's token budget) or the rest of
+  the prompt; pass `single_forward=True` for a prefill that must go in one forward.
+- `record_timing(chunk, prefix, seconds, batch_is_sole_prefill, request_id)`: when a batch's forward
+  time is known (the model call only, on the stage the engine times); ignored unless calibrating.
+- `finish_request(request_id)`: forget per-request state.
+`prefill_chunk(seq, budget)` and `observe_step` make it a `jaxcpp.scheduler.ChunkSizer` as it stands.
+Start-up: `startup_sweep_sizes()` then `run_startup_sweep(forward)` (or `set_startup_fit(b, c)`).
+Reporting: `report_counts()` returns and resets the counters; `format_report` makes the log line.
+`head_waits_for_ack` tells the PP head to wait for the last stage on middle prefill chunks.
+
+States: "off" (disabled or not applicable), "calibrating", "installed", "gave_up". Off and gave_up keep
+fixed chunking for good; calibrating gives each newly admitted sole prefill a base chunk alternating
+between the budget and max(budget / 4, min chunk), kept for the whole prompt; installed sizes chunks
+with the policy ("equal-latency" per step, "optimal" planned at admission, "fixed").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+from jaxcpp.chunking.calibration import (
+    MAX_REJECTED_FITS,
+    RuntimeCalibrator,
+    run_startup_sweep,
+    startup_sweep_sizes,
+)
+from jaxcpp.chunking.fitting import Rejection, fit_startup
+from jaxcpp.chunking.gate import SolePrefillGate
+from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.optimal import plan_optimal
+from jaxcpp.chunking.planner import POLICIES, ChunkSettings, equal_latency_chunk, fit_budget, snap_down
+
+if TYPE_CHECKING:
+    from jaxcpp.config import EngineConfig
+
+logger = logging.getLogger("jaxcpp.chunking")
+COUNTERS = ("model", "calibration", "fixed_unreachable", "fixed_concurrent")
+
+
+def format_report(counts: dict[str, int]) -> str:
+    return ("Dynamic chunking since last report: "
+            f"{counts['model']} chunks sized from the model, {counts['calibration']} by the calibration "
+            f"sweep, fixed budget kept for {counts['fixed_unreachable']} (no equal-latency chunk reachable) "
+            f"and {counts['fixed_concurrent']} (other prefills present)")
+
+
+class DynamicChunkController:
+    """See the module docstring for the call contract."""
+
+    def __init__(self, settings: ChunkSettings, *, policy: str = "equal-latency", enabled: bool = True,
+                 model: LatencyModel | None = None, max_model_len: int | None = None,
+                 runs_prefills: bool = True) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown chunking policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        self.settings = settings
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.model: LatencyModel | None = None
+        self.gate = SolePrefillGate()
+        self.calibrator = RuntimeCalibrator(settings.budget)
+        self.quarter_base = snap_down(max(settings.budget // 4, settings.min_chunk_size), settings)
+        self._bases: dict[Hashable, int] = {}      # calibrating: the base chunk kept for a whole prompt
+        self._plans: dict[Hashable, dict[int, int]] = {}  # optimal: planned chunk by its start
+        self._admitted = 0
+        self._rejections_logged = 0
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self.state = "calibrating" if enabled else "off"
+        if enabled:
+            self._check_applicable(runs_prefills)
+        if model is not None and self.state != "off":
+            self.install(model)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, allowed_sizes: tuple[int, ...] | None = None,
+                    runs_prefills: bool = True) -> DynamicChunkController:
+        """Built from the engine config; `allowed_sizes` are the compiled token buckets.
+
+        With an uneven --pp-partition the stages weigh layers / the largest stage's layers: the model
+        describes the slowest stage, so the engine should time that one.
+        """
+        parallel, chunking = config.parallel, config.chunking
+        weights = None
+        if parallel.pp_partition is not None:
+            layers = parallel.partition_list()
+            weights = tuple(n / max(layers) for n in layers)
+        settings = ChunkSettings(
+            budget=config.scheduler.max_num_batched_tokens,
+            smooth_factor=chunking.dynamic_chunking_smooth_factor,
+            min_chunk_size=chunking.dynamic_chunking_min_chunk_size,
+            block_size=config.cache.block_size,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            allowed_sizes=allowed_sizes, stage_weights=weights)
+        return cls(settings, policy=chunking.dynamic_chunking_policy,
+                   enabled=chunking.enable_dynamic_chunking, max_model_len=config.model.max_model_len,
+                   runs_prefills=runs_prefills)
+
+    # ----- start-up ---------------------------------------------------------------------------------
+    def startup_sweep_sizes(self) -> list[int]:
+        """Chunk sizes for the attention-free sweep; empty (and gave up, logged) when there is no baseline."""
+        if self.state != "calibrating":
+            return []
+        plan = startup_sweep_sizes(self.settings, self.max_model_len)
+        if not plan.sizes:
+            self._give_up(f"no start-up baseline: {plan.reason}")
+        return plan.sizes
+
+    def run_startup_sweep(self, forward: Callable[[int], float]) -> None:
+        """Time `forward(num_tokens)` over the sweep sizes and fit b, c (exceptions propagate)."""
+        sizes = self.startup_sweep_sizes()
+        if not sizes:
+            return
+        fit = fit_startup(sizes, run_startup_sweep(forward, sizes))
+        if isinstance(fit, Rejection):
+            self._give_up(fit.reason)
+            return
+        self.set_startup_fit(*fit)
+
+    def set_startup_fit(self, b: float, c: float) -> None:
+        logger.info("Dynamic chunking start-up fit: b=%.6g c=%.6g", b, c)
+        self.calibrator.set_startup(b, c)
+
+    # ----- per step ---------------------------------------------------------------------------------
+    def observe_step(self, num_prefill_sources: int) -> None:
+        self.gate.observe(num_prefill_sources)
+        if self.state == "calibrating":
+            self.calibrator.tick()
+            self._after_calibration()
+
+    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int, budget: int,
+                       *, single_forward: bool = False) -> int:
+        remaining = prompt_len - num_computed_tokens
+        fixed = max(min(self.settings.budget, budget, remaining), 0)
+        if self.state in ("off", "gave_up") or remaining <= 0 or single_forward:
+            return fixed
+        if not self.gate.is_open:
+            self._counts["fixed_concurrent"] += 1
+            return fixed
+        if self.state == "calibrating":
+            self._counts["calibration"] += 1
+            return min(self._base_for(request_id, num_computed_tokens), budget, remaining)
+        return self._model_chunk(request_id, prompt_len, num_computed_tokens, budget, fixed)
+
+    def prefill_chunk(self, seq: Any, budget: int) -> int:
+        """The `jaxcpp.scheduler.ChunkSizer` form: seq has request_id, num_computed_tokens, num_remaining."""
+        done = seq.num_computed_tokens
+        return self.chunk_size_for(seq.request_id, done + seq.num_remaining, done, budget)
+
+    def record_timing(self, chunk: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
+                      request_id: Hashable) -> None:
+        if self.state != "calibrating" or not batch_is_sole_prefill:
+            return
+        self.calibrator.record(chunk, prefix, seconds, request_id)
+        self._after_calibration()
+
+    def finish_request(self, request_id: Hashable) -> None:
+        self._bases.pop(request_id, None)
+        self._plans.pop(request_id, None)
+
+    # ----- state ------------------------------------------------------------------------------------
+    def install(self, model: LatencyModel) -> None:
+        self.model, self.state = model, "installed"
+        self._bases.clear()
+        logger.info("Dynamic chunking latency model installed: %s", model.describe())
+
+    @property
+    def head_waits_for_ack(self) -> bool:
+        """The PP head waits for the last stage to acknowledge middle prefill chunks in these states."""
+        return self.state in ("calibrating", "installed")
+
+    def report_counts(self) -> dict[str, int]:
+        counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
+        return counts
+
+    # ----- internals --------------------------------------------------------------------------------
+    def _check_applicable(self, runs_prefills: bool) -> None:
+        s = self.settings
+        if not runs_prefills:
+            self._turn_off("this instance runs no prefills (decode-only)")
+        elif s.pipeline_parallel_size <= 1:
+            self._turn_off("needs --pipeline-parallel-size > 1")
+        elif s.min_chunk_size >= s.budget or self.quarter_base >= snap_down(s.budget, s):
+            self._turn_off(f"--dynamic-chunking-min-chunk-size ({s.min_chunk_size}) must be below "
+                           f"--max-num-batched-tokens ({s.budget}), or the two calibration chunk sizes "
+                           "collapse into one")
+
+    def _turn_off(self, why: str) -> None:
+        logger.warning("Dynamic chunking turned off: %s; keeping fixed chunking", why)
+        self.state = "off"
+
+    def _give_up(self, why: str) -> None:
+        logger.warning("Dynamic chunking calibration gave up: %s; keeping fixed chunking", why)
+        self.state = "gave_up"
+        self._bases.clear()
+
+    def _after_calibration(self) -> None:
+        for reason in self.calibrator.rejections[self._rejections_logged:]:
+            self._rejections_logged += 1
+            logger.info("Dynamic chunking fit rejected (%d/%d): %s", self._rejections_logged,
+                        MAX_REJECTED_FITS, reason)
+        status = self.calibrator.status
+        if status == "accepted" and self.calibrator.model is not None:
+            self.install(self.calibrator.model)
+        elif status == "gave_up":
+            self._give_up(self.calibrator.give_up_reason or "calibration failed")
+
+    def _base_for(self, request_id: Hashable, num_computed_tokens: int) -> int:
+        base = self._bases.get(request_id)
+        if base is None:
+            # Only a newly admitted prompt alternates; one met mid-prompt keeps the budget.
+            quarter = num_computed_tokens == 0 and self._admitted % 2 == 1
+            base = self.quarter_base if quarter else self.settings.budget
+            self._admitted += num_computed_tokens == 0
+            self._bases[request_id] = base
+        return base
+
+    def _model_chunk(self, request_id: Hashable, prompt_len: int, done: int, budget: int, fixed: int) -> int:
+        assert self.model is not None
+        if self.policy == "fixed":
+            return fixed
+        if self.policy == "equal-latency":
+            choice = equal_latency_chunk(self.model, done, budget, self.settings)
+            self._counts["model" if choice.source == "model" else "fixed_unreachable"] += 1
+            return min(choice.size, prompt_len - done)
+        plan = self._plans.get(request_id)
+        if plan is None or done not in plan:  # new prompt, or the budget cut a planned chunk: replan
+            chunks = plan_optimal(self.model, prompt_len, self.settings, start=done)
+            starts = [done + sum(chunks[:i]) for i in range(len(chunks))]
+            plan = self._plans[request_id] = dict(zip(starts, chunks, strict=True))
+        self._counts["model"] += 1
+        return fit_budget(plan[done], budget, prompt_len - done, self.settings)

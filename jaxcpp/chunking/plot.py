@@ -1,0 +1,42 @@
+"""Pipeline timelines, side by side: one panel per plan, one row per stage, one box per chunk.
+
+matplotlib is imported inside the function only, so nothing else in the package needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from jaxcpp.chunking.simulator import SimResult
+
+
+def plot_timelines(results: Mapping[str, SimResult], path: str | Path, title: str = "") -> None:
+    """Write a PNG with a Gantt chart per named simulation, sharing the time axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, len(names), figsize=(6.5 * len(names), 3.2), sharex=True, squeeze=False)
+    colours = plt.get_cmap("tab20")
+    for ax, name in zip(axes[0], names, strict=True):
+        result = results[name]
+        stages = 1 + max(span.stage for span in result.spans)
+        for span in result.spans:
+            ax.broken_barh([(span.start, span.end - span.start)], (span.stage - 0.4, 0.8),
+                           facecolors=colours(span.batch % 20), edgecolors="black", linewidth=0.3)
+            if span.stage == 0:
+                ax.text(span.start + (span.end - span.start) / 2, -0.5, str(span.pieces[0][2]),
+                        ha="center", va="bottom", fontsize=5, rotation=90)
+        ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
+        ax.set_ylim(stages - 0.5, -1.6)  # inverted: stage 0 on top, chunk sizes above it
+        ax.set_xlabel("time (s)")
+        ax.set_title(f"{name}: TTFT {result.mean_ttft:.4g} s, {len(result.spans) // stages} chunks",
+                     fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -1,0 +1,218 @@
+"""A pipeline simulator: P stages under the latency model, chunks from any policy, TTFT per request.
+
+How it moves: a step loop like the engine's. Whenever stage 0 is free and fewer than `max_in_flight`
+batches are in the pipeline, the scheduler forms a batch: it tells the policy how many requests could
+prefill (`observe_step`, so the controller's gate decides as it would in the engine), then asks it for
+a chunk per request, first come first served, until the token budget is spent. The batch then flows
+through the stages in order (stage j takes w_j·t, a hop between stages costs hop_s + hop_s_per_token·n),
+each stage taking batches in order. A request's TTFT is when its last chunk leaves the last stage.
+
+The simulated prefill worker runs prefills only (as the prefill side of a disaggregated deployment):
+no decodes share its steps. A batch's time is c once plus each chunk's (t − c). A policy that has
+`record_timing` gets the time of every sole-prefill batch on the slowest stage, optionally with noise,
+so calibration can be exercised end to end.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxcpp.chunking.latency_model import LatencyModel
+
+
+class ChunkPolicy(Protocol):
+    def observe_step(self, num_prefill_sources: int) -> None: ...
+
+    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int,
+                       budget: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """Fixed chunking: as much of the prompt as the budget allows."""
+
+    chunk: int
+
+    def observe_step(self, num_prefill_sources: int) -> None:
+        pass
+
+    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int,
+                       budget: int) -> int:
+        return min(self.chunk, budget, prompt_len - num_computed_tokens)
+
+
+@dataclass
+class PlanPolicy:
+    """Replays a precomputed plan (any policy's) for every request, in order."""
+
+    chunks: Sequence[int]
+    _next: dict[Hashable, int] = field(default_factory=dict)
+
+    def observe_step(self, num_prefill_sources: int) -> None:
+        pass
+
+    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int,
+                       budget: int) -> int:
+        i = self._next.get(request_id, 0)
+        self._next[request_id] = i + 1
+        return min(self.chunks[i], budget, prompt_len - num_computed_tokens)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    model: LatencyModel                           # time on a stage of weight 1 (the slowest stage)
+    num_stages: int
+    stage_weights: tuple[float, ...] | None = None
+    hop_s: float = 0.0                            # per stage-to-stage transfer
+    hop_s_per_token: float = 0.0
+    max_in_flight: int | None = None              # default: num_stages batches, as the PP head allows
+
+    def weights(self) -> tuple[float, ...]:
+        return self.stage_weights or (1.0,) * self.num_stages
+
+    def batch_time(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """Time of one forward holding these (prefix, chunk) pieces: c once, the rest per piece."""
+        m = self.model
+        return m.c + sum(float(m.predict(float(p), float(x))) - m.c for p, x in chunks)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: Hashable
+    arrival_s: float
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class ClosedLoop:
+    """`concurrency` clients, each sending its next prompt `think_s` after its last one's first token."""
+
+    concurrency: int
+    num_requests: int
+    prompt_len: int
+    think_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    batch: int
+    stage: int
+    start: float
+    end: float
+    pieces: tuple[tuple[Hashable, int, int], ...]  # (request, prefix, chunk)
+
+
+@dataclass
+class SimResult:
+    ttft: dict[Hashable, float] = field(default_factory=dict)
+    chunks: dict[Hashable, list[int]] = field(default_factory=dict)
+    spans: list[StageSpan] = field(default_factory=list)
+    end_s: float = 0.0
+
+    @property
+    def mean_ttft(self) -> float:
+        return float(np.mean(list(self.ttft.values())))
+
+    @property
+    def throughput(self) -> float:
+        """Requests per second over the whole run."""
+        return len(self.ttft) / self.end_s if self.end_s > 0 else 0.0
+
+
+def poisson_arrivals(rate_per_s: float, num_requests: int, prompt_len: int | Sequence[int],
+                     seed: int = 0) -> list[SimRequest]:
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1.0 / rate_per_s, num_requests))
+    lens = [prompt_len] * num_requests if isinstance(prompt_len, int) else list(prompt_len)
+    return [SimRequest(i, float(t), int(n)) for i, (t, n) in enumerate(zip(times, lens, strict=True))]
+
+
+@dataclass
+class _Live:
+    request: SimRequest
+    scheduled: int = 0
+
+
+def simulate(pipeline: Pipeline, policy: Any, budget: int,
+             requests: Sequence[SimRequest] | ClosedLoop, timing_noise: float = 0.0,
+             seed: int = 0) -> SimResult:
+    """Run the workload to completion; `policy` follows `ChunkPolicy` (the controller does)."""
+    rng = np.random.default_rng(seed)
+    loop = requests if isinstance(requests, ClosedLoop) else None
+    initial = ([SimRequest(i, 0.0, loop.prompt_len) for i in range(min(loop.concurrency, loop.num_requests))]
+               if loop else list(requests))
+    pending = [(r.arrival_s, i, r) for i, r in enumerate(initial)]
+    heapq.heapify(pending)
+    issued = len(initial)
+    weights = pipeline.weights()
+    stage_free = [0.0] * pipeline.num_stages
+    in_flight: deque[float] = deque()
+    limit = pipeline.max_in_flight or pipeline.num_stages
+    live: list[_Live] = []
+    result = SimResult()
+    now = 0.0
+    while pending or live:
+        if not live:
+            now = max(now, pending[0][0])
+        while len(in_flight) >= limit:
+            now = max(now, in_flight.popleft())
+        now = max(now, stage_free[0])
+        while pending and pending[0][0] <= now:
+            live.append(_Live(heapq.heappop(pending)[2]))
+        if not live:
+            continue
+        policy.observe_step(len(live))
+        pieces, left = [], budget
+        for entry in live:
+            if left <= 0:
+                break
+            r = entry.request
+            size = min(policy.chunk_size_for(r.request_id, r.prompt_len, entry.scheduled, left),
+                       left, r.prompt_len - entry.scheduled)
+            if size > 0:
+                pieces.append((entry, entry.scheduled, size))
+                entry.scheduled += size
+                left -= size
+        if not pieces:
+            raise RuntimeError("the policy scheduled no tokens for a step with waiting prompts")
+        forward = pipeline.batch_time([(p, x) for _, p, x in pieces])
+        arrive, tokens = now, sum(x for _, _, x in pieces)
+        batch = len(result.spans) // pipeline.num_stages
+        named = tuple((e.request.request_id, p, x) for e, p, x in pieces)
+        for stage, weight in enumerate(weights):
+            start = max(stage_free[stage], arrive)
+            stage_free[stage] = start + weight * forward
+            result.spans.append(StageSpan(batch, stage, start, stage_free[stage], named))
+            arrive = stage_free[stage] + pipeline.hop_s + pipeline.hop_s_per_token * tokens
+        done = stage_free[-1]
+        in_flight.append(done)
+        if hasattr(policy, "record_timing"):
+            measured = max(weights) * forward * (1.0 + timing_noise * rng.uniform(-1.0, 1.0))
+            entry, prefix, size = pieces[0]
+            policy.record_timing(size, prefix, measured, len(pieces) == 1, entry.request.request_id)
+        for entry, _, size in pieces:
+            r = entry.request
+            result.chunks.setdefault(r.request_id, []).append(size)
+            if entry.scheduled == r.prompt_len:
+                result.ttft[r.request_id] = done - r.arrival_s
+                live.remove(entry)
+                if hasattr(policy, "finish_request"):
+                    policy.finish_request(r.request_id)
+                if loop and issued < loop.num_requests:
+                    heapq.heappush(pending, (done + loop.think_s, issued,
+                                             SimRequest(issued, done + loop.think_s, loop.prompt_len)))
+                    issued += 1
+        result.end_s = max(result.end_s, done)
+    return result
+
+
+def simulate_plan(pipeline: Pipeline, chunks: Sequence[int]) -> SimResult:
+    """One prompt of sum(chunks) tokens, alone, cut exactly as `chunks`."""
+    total = int(sum(chunks))
+    return simulate(pipeline, PlanPolicy(list(chunks)), max(chunks), [SimRequest(0, 0.0, total)])

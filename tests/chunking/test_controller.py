@@ -1,0 +1,127 @@
+"""DynamicChunkController: the state machine the scheduler drives."""
+
+import logging
+
+import pytest
+
+from jaxcpp.chunking.controller import DynamicChunkController, format_report
+from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.planner import ChunkSettings
+from jaxcpp.config import EngineConfig
+
+A = 2.9e-10
+TRUE = LatencyModel(a=A, b=18500 * A, c=0.005, gamma=1630 * A)
+SETTINGS = ChunkSettings(budget=32768, smooth_factor=0.75, min_chunk_size=4096, pipeline_parallel_size=4)
+
+
+def prefill_alone(ctl, request_id, prompt_len, model=TRUE, budget=32768):
+    """Drive one prompt to completion as the sole prefill, timing each chunk with `model`."""
+    done, chunks = 0, []
+    while done < prompt_len:
+        ctl.observe_step(1)
+        chunk = ctl.chunk_size_for(request_id, prompt_len, done, budget)
+        ctl.record_timing(chunk, done, float(model.predict(done, chunk)), True, request_id)
+        chunks.append(chunk)
+        done += chunk
+    ctl.finish_request(request_id)
+    return chunks
+
+
+def test_calibrates_by_alternating_bases_then_installs_and_logs(caplog):
+    ctl = DynamicChunkController(SETTINGS)
+    ctl.set_startup_fit(TRUE.b, TRUE.c)
+    assert ctl.state == "calibrating" and ctl.head_waits_for_ack
+    with caplog.at_level(logging.INFO, logger="jaxcpp.chunking"):
+        assert prefill_alone(ctl, "r0", 131072) == [32768] * 4       # budget; discarded by calibration
+        assert prefill_alone(ctl, "r1", 131072) == [8192] * 16       # max(budget / 4, min chunk)
+        r2 = prefill_alone(ctl, "r2", 131072)
+    assert r2[0] == 32768 and r2[1] < 32768  # installed on r2's first sample, sized from then on
+    assert ctl.state == "installed"
+    assert ctl.model.a == pytest.approx(TRUE.a, rel=1e-6)
+    assert any(r.message.startswith("Dynamic chunking latency model installed: a=") for r in caplog.records)
+    counts = ctl.report_counts()
+    assert counts["calibration"] == 4 + 16 + 1 and counts["model"] == len(r2) - 1
+    assert ctl.report_counts() == dict.fromkeys(counts, 0)
+
+
+def test_installed_equal_latency_shrinks_chunks_and_counts_them():
+    ctl = DynamicChunkController(SETTINGS, model=TRUE)
+    chunks = prefill_alone(ctl, "r", 131072)
+    assert chunks[0] == 32768 and chunks[1] < 32768 and sum(chunks) == 131072
+    assert ctl.report_counts()["model"] == len(chunks)
+
+
+def test_concurrent_prefills_keep_the_fixed_chunk_for_sixteen_steps():
+    ctl = DynamicChunkController(SETTINGS, model=TRUE)
+    ctl.observe_step(2)
+    assert ctl.chunk_size_for("a", 131072, 32768, 32768) == 32768
+    for _ in range(15):
+        ctl.observe_step(1)
+        assert ctl.chunk_size_for("a", 131072, 32768, 32768) == 32768
+    ctl.observe_step(1)
+    assert ctl.chunk_size_for("a", 131072, 32768, 32768) < 32768
+    counts = ctl.report_counts()
+    assert counts["fixed_concurrent"] == 16 and counts["model"] == 1
+    assert "16 (other prefills present)" in format_report(counts)
+
+
+def test_unreachable_is_counted_and_single_forward_keeps_the_budget():
+    steep = LatencyModel(a=1.0, b=10.0, c=0.0, gamma=1e6)
+    ctl = DynamicChunkController(SETTINGS, model=steep)
+    ctl.observe_step(1)
+    assert ctl.chunk_size_for("r", 200_000, 100_000, 32768) == 32768
+    assert ctl.report_counts()["fixed_unreachable"] == 1
+    ctl = DynamicChunkController(SETTINGS, model=TRUE)
+    assert ctl.chunk_size_for("r", 131072, 65536, 32768, single_forward=True) == 32768
+
+
+def test_optimal_policy_follows_its_plan_and_replans_when_the_budget_cuts_it():
+    ctl = DynamicChunkController(SETTINGS, policy="optimal", model=TRUE)
+    chunks = prefill_alone(ctl, "r", 131072)
+    assert sum(chunks) == 131072 and len(set(chunks)) > 2
+    ctl.observe_step(1)
+    first = ctl.chunk_size_for("s", 131072, 0, 32768)
+    cut = ctl.chunk_size_for("s", 131072, first, 1000)  # a step with little budget left
+    assert cut == 960
+    assert ctl.chunk_size_for("s", 131072, first + cut, 32768) > 0  # replanned from there
+
+
+def test_turns_off_when_not_applicable(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxcpp.chunking"):
+        collapsed = DynamicChunkController(ChunkSettings(budget=4096, min_chunk_size=4096,
+                                                         pipeline_parallel_size=4))
+        decode_only = DynamicChunkController(SETTINGS, runs_prefills=False)
+        no_pipeline = DynamicChunkController(ChunkSettings(budget=32768, pipeline_parallel_size=1))
+    assert collapsed.state == decode_only.state == no_pipeline.state == "off"
+    assert "calibration chunk sizes collapse" in caplog.text and "decode-only" in caplog.text
+    assert collapsed.chunk_size_for("r", 10_000, 0, 4096) == 4096
+    assert DynamicChunkController(SETTINGS, enabled=False).state == "off"
+
+
+def test_gives_up_without_a_startup_baseline_and_keeps_fixed_chunks():
+    ctl = DynamicChunkController(ChunkSettings(budget=256, min_chunk_size=64, pipeline_parallel_size=2))
+    ctl.run_startup_sweep(lambda n: 1e-6 * n)
+    assert ctl.state == "gave_up" and not ctl.head_waits_for_ack
+    ctl.observe_step(1)
+    assert ctl.chunk_size_for("r", 1000, 0, 256) == 256
+
+
+def test_startup_sweep_installs_b_and_c():
+    ctl = DynamicChunkController(SETTINGS)
+    ctl.run_startup_sweep(lambda n: TRUE.c + TRUE.b * n)
+    assert ctl.calibrator.b == pytest.approx(TRUE.b) and ctl.state == "calibrating"
+
+
+def test_from_config_and_scheduler_protocol():
+    config = EngineConfig.from_kwargs(enable_dynamic_chunking=True, pipeline_parallel_size=4,
+                                      max_num_batched_tokens=2048, dynamic_chunking_min_chunk_size=256,
+                                      dynamic_chunking_policy="optimal", pp_partition="2,2,2,3")
+    ctl = DynamicChunkController.from_config(config, allowed_sizes=(256, 512, 1024, 2048))
+    assert ctl.state == "calibrating" and ctl.policy == "optimal"
+    assert ctl.settings.stage_weights == (2 / 3, 2 / 3, 2 / 3, 1.0)
+
+    class Seq:
+        request_id, num_computed_tokens, num_remaining = "q", 0, 5000
+
+    ctl.observe_step(1)
+    assert ctl.prefill_chunk(Seq(), 2048) == 2048

@@ -1,0 +1,76 @@
+"""The pipeline simulator: agrees with the makespan formula, runs streams, exercises calibration."""
+
+import pytest
+
+from jaxcpp.chunking.controller import DynamicChunkController
+from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.makespan import predicted_ttft
+from jaxcpp.chunking.planner import ChunkSettings, plan_chunks, plan_fixed
+from jaxcpp.chunking.simulator import (
+    ClosedLoop,
+    FixedPolicy,
+    Pipeline,
+    SimRequest,
+    poisson_arrivals,
+    simulate,
+    simulate_plan,
+)
+
+A = 2.9e-10
+TRUE = LatencyModel(a=A, b=18500 * A, c=0.005, gamma=1630 * A)
+SETTINGS = ChunkSettings(budget=32768, smooth_factor=0.75, min_chunk_size=4096, pipeline_parallel_size=4)
+
+
+def test_one_prompt_matches_the_flow_shop_formula():
+    fixed = plan_fixed(131072, 32768)
+    assert simulate_plan(Pipeline(TRUE, 4), fixed).ttft[0] == pytest.approx(predicted_ttft(TRUE, fixed, 4))
+    dynamic = plan_chunks("equal-latency", 131072, SETTINGS, TRUE)
+    unlimited = Pipeline(TRUE, 4, max_in_flight=len(dynamic))
+    assert simulate_plan(unlimited, dynamic).ttft[0] == pytest.approx(predicted_ttft(TRUE, dynamic, 4))
+    # With P tickets in flight, as the PP head runs, shrinking chunks can wait on the last stage.
+    assert simulate_plan(Pipeline(TRUE, 4), dynamic).ttft[0] >= predicted_ttft(TRUE, dynamic, 4) - 1e-12
+
+
+def test_uneven_stages_and_hops():
+    chunks = plan_fixed(65536, 16384)
+    weights = (0.9, 0.9, 1.0)
+    uneven = Pipeline(TRUE, 3, stage_weights=weights, max_in_flight=99)
+    assert simulate_plan(uneven, chunks).ttft[0] == pytest.approx(predicted_ttft(TRUE, chunks, 3, weights))
+    # A single prompt pays every hop once on its critical path: (P − 1) hops.
+    hops = Pipeline(TRUE, 3, hop_s=0.01, hop_s_per_token=1e-7, max_in_flight=99)
+    plain = Pipeline(TRUE, 3, max_in_flight=99)
+    extra = simulate_plan(hops, chunks).ttft[0] - simulate_plan(plain, chunks).ttft[0]
+    assert extra >= 2 * (0.01 + 1e-7 * 16384) - 1e-12
+
+
+def test_poisson_stream_reports_ttft_per_request_and_the_gate_decides():
+    requests = poisson_arrivals(rate_per_s=0.5, num_requests=6, prompt_len=65536, seed=1)
+    controller = DynamicChunkController(SETTINGS, model=TRUE)
+    result = simulate(Pipeline(TRUE, 4), controller, 32768, requests)
+    assert sorted(result.ttft) == list(range(6)) and all(t > 0 for t in result.ttft.values())
+    assert all(sum(result.chunks[i]) == 65536 for i in range(6))
+    counts = controller.report_counts()
+    assert counts["model"] > 0
+    fixed = simulate(Pipeline(TRUE, 4), FixedPolicy(32768), 32768, requests)
+    assert result.mean_ttft < fixed.mean_ttft
+
+
+def test_concurrent_requests_share_a_batch_and_keep_fixed_chunks():
+    controller = DynamicChunkController(SETTINGS, model=TRUE)
+    burst = [SimRequest(i, 0.0, 20000) for i in range(3)]
+    result = simulate(Pipeline(TRUE, 4), controller, 32768, burst)
+    assert result.chunks[0] == [20000] and result.chunks[1] == [12768, 7232]
+    assert controller.report_counts()["fixed_concurrent"] >= 3
+
+
+def test_closed_loop_issues_the_next_prompt_after_the_first_token():
+    result = simulate(Pipeline(TRUE, 2), FixedPolicy(16384), 16384, ClosedLoop(2, 5, 32768, think_s=1.0))
+    assert len(result.ttft) == 5 and result.throughput > 0
+
+
+def test_calibration_end_to_end_installs_a_model_near_the_truth():
+    controller = DynamicChunkController(SETTINGS)
+    controller.run_startup_sweep(lambda n: TRUE.c + TRUE.b * n)
+    simulate(Pipeline(TRUE, 4), controller, 32768, ClosedLoop(1, 4, 131072), timing_noise=0.002, seed=3)
+    assert controller.state == "installed"
+    assert controller.model.a == pytest.approx(TRUE.a, rel=0.05)
