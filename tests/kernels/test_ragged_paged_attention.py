@@ -119,6 +119,7 @@ class KernelTests:
         self.check_against_reference(page_size=page_size, head_dim=head_dim, group=group, dtype=jnp.float32,
                                      block_q=triton_block_q(group), pages_per_block=32 // min(page_size, 32))
 
+    @pytest.mark.slow  # the slowest dozen (about 3 s each interpreted); still part of `make test`
     @pytest.mark.parametrize("group", [1, 4, 8])
     @pytest.mark.parametrize("head_dim", [64, 128])
     @pytest.mark.parametrize("page_size", [16, 64])
