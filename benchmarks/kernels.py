@@ -101,6 +101,9 @@ def main() -> None:
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
     on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.small:
+        print("no GPU: running the --small shapes (the full ones would take hours on CPU)")
+        args.small = True
     if args.small:
         scenarios, heads, iters = SMALL_SCENARIOS, dict(num_heads=4, num_kv_heads=2, head_dim=64), 5
         peak_n, peak_bytes = 512, 64 << 20
