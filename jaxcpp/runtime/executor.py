@@ -22,8 +22,17 @@ from jaxcpp.step_input import StepInput
 
 @dataclass
 class StepResult:
-    tokens: np.ndarray   # [S] int32, host
+    """A collected step. `tokens` is fetched on first read, so collecting a step whose tokens nobody
+    reads (only middle prefill chunks) never waits for the device."""
+
+    _tokens: Any         # [S] int32, host or still on the device
     _logits: Any         # [S, V] float32, left on the device until asked for
+
+    @property
+    def tokens(self) -> np.ndarray:  # [S] int32, host
+        if not isinstance(self._tokens, np.ndarray):
+            self._tokens = np.asarray(self._tokens)
+        return self._tokens
 
     def logits(self) -> np.ndarray:
         return np.asarray(self._logits)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import jax
@@ -32,9 +33,23 @@ def attention_metadata(batch: StepInput | dict[str, Any]) -> AttentionMetadata:
     return AttentionMetadata(*(get(name) for name in AttentionMetadata._fields))
 
 
-def to_device(step: StepInput, device: Any = None) -> dict[str, jax.Array]:
-    """All of a step's host arrays in one transfer."""
-    return jax.device_put(dict(step.__dict__), device)
+def to_device(step: StepInput, device: Any = None, keys: Collection[str] | None = None
+              ) -> dict[str, jax.Array]:
+    """A step's host arrays (all, or those named in `keys`) in one transfer; `device` may be a Sharding."""
+    arrays = step.__dict__ if keys is None else {k: getattr(step, k) for k in keys}
+    return jax.device_put(dict(arrays), device)
+
+
+SAMPLING_KEYS = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps")
+
+
+def logits_and_sample(params: Any, hidden: jax.Array, batch: dict[str, jax.Array],
+                      config: llama.LlamaConfig) -> StepOutput:
+    """The step's tail: each sequence's last hidden state ([T, D] -> [S, D]) -> logits -> a token."""
+    logits = llama.compute_logits(params, hidden[batch["logits_indices"]], config)
+    tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
+                    batch["seeds"], batch["steps"])
+    return StepOutput(tokens, logits)
 
 
 def dummy_step(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
@@ -65,10 +80,7 @@ class ModelRunner:
                  ) -> tuple[StepOutput, llama.KVCache]:
         md = attention_metadata(batch)
         hidden, kv = llama.forward(params, batch["token_ids"], kv, md, self.config, self._attention_fn)
-        logits = llama.compute_logits(params, hidden[batch["logits_indices"]], self.config)
-        tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                        batch["seeds"], batch["steps"])
-        return StepOutput(tokens, logits), kv
+        return logits_and_sample(params, hidden, batch, self.config), kv
 
     def execute(self, step: StepInput) -> StepOutput:
         """Dispatch one step; returns at once with device arrays (JAX dispatches asynchronously)."""

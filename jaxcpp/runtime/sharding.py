@@ -1,0 +1,90 @@
+"""Tensor parallelism inside one pipeline stage: NamedShardings over the stage's 1-D ("tp",) mesh.
+
+The model code is untouched; sharding is applied from outside, Megatron-style, and jit/GSPMD inserts
+the collectives:
+
+    q/k/v, gate/up projections   column-sharded (their output features: heads, MLP columns)
+    o/down projections           row-sharded (their input features), so one all-reduce per block
+    LM head                      vocab-sharded; logits are gathered for the sampler
+    embedding, norms             replicated
+    KV pages                     sharded on the KV-head axis
+
+A dimension is sharded only when T divides its natural unit (heads for attention, columns for the MLP,
+the vocabulary for the LM head); otherwise that tensor is replicated, which is always correct, only
+slower. When the KV heads are sharded, the attention op itself runs under `shard_map`, one group of
+heads per device: attention is independent per head, so this is exact, and it lets a Pallas kernel
+(which GSPMD cannot partition) run on its local heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.models import llama
+from jaxcpp.models.config import LlamaConfig
+
+REPLICATED = P()
+
+
+def _divides(tp: int, n: int) -> bool:
+    return tp > 1 and n % tp == 0
+
+
+def kv_heads_sharded(config: LlamaConfig, tp: int) -> bool:
+    return _divides(tp, config.num_key_value_heads)
+
+
+def layer_spec(path: tuple[str, ...], config: LlamaConfig, tp: int) -> P:
+    """The PartitionSpec of one stacked decoder-layer leaf ([L, ...]), from its path in the params tree."""
+    *modules, leaf = path
+    name = modules[-1] if modules else ""
+    column = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads,
+              "v_proj": config.num_key_value_heads, "gate_proj": config.intermediate_size,
+              "up_proj": config.intermediate_size}
+    row = {"o_proj": config.num_attention_heads, "down_proj": config.intermediate_size}
+    if name in column and _divides(tp, column[name]):
+        # kernel [L, in, out], bias [L, out]
+        return P(None, None, "tp") if leaf == "kernel" else P(None, "tp")
+    if name in row and _divides(tp, row[name]) and leaf == "kernel":
+        return P(None, "tp", None)  # kernel [L, in, out]; a row-parallel bias is added after the reduce
+    return REPLICATED
+
+
+def param_specs(stage_params: llama.Params, config: LlamaConfig, tp: int) -> Any:
+    """A PartitionSpec tree matching `stage_params` (a stage's slice of the params tree)."""
+
+    def spec(keypath: tuple[Any, ...], _: Any) -> P:
+        path = tuple(k.key for k in keypath)
+        if path[0] == "layers":
+            return layer_spec(path[1:], config, tp)
+        if path == ("lm_head",) and _divides(tp, config.vocab_size):
+            return P(None, "tp")  # [D, V]
+        return REPLICATED
+
+    return jax.tree_util.tree_map_with_path(spec, stage_params)
+
+
+def kv_spec(config: LlamaConfig, tp: int) -> P:
+    # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    return P(None, None, None, "tp", None) if kv_heads_sharded(config, tp) else REPLICATED
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_attention(attention_fn: llama.AttentionFn, mesh: Mesh, config: LlamaConfig) -> llama.AttentionFn:
+    """Run `attention_fn` on each device's own heads when the KV heads are split over "tp"."""
+    if not kv_heads_sharded(config, mesh.shape["tp"]):
+        return attention_fn
+    heads = P(None, "tp", None)            # q, out: [T, H, Dh]
+    pages = P(None, None, "tp", None)      # [num_pages, page_size, Hkv, Dh]
+    md_specs = AttentionMetadata(*([REPLICATED] * len(AttentionMetadata._fields)))
+    return jax.shard_map(attention_fn, mesh=mesh, in_specs=(heads, pages, pages, md_specs),
+                         out_specs=heads, check_vma=False)

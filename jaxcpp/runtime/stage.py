@@ -1,0 +1,117 @@
+"""One pipeline stage: its slice of the params, its own KV pages and its programs, all on its sub-mesh.
+
+    first stage:  token ids -> embed -> layers[start:end] -> activations
+    middle stage: activations -> layers[start:end] -> activations
+    last stage:   activations -> layers[start:end] -> final norm -> logits at logits_indices -> sample
+    (with P = 1 the one stage is both first and last)
+
+Each stage jits its own program (one per token bucket, by shape); params are arguments, the KV pages
+are donated and stay sharded as they came in, activations leave replicated over the stage's "tp" axis
+so the next stage can take them with one `device_put`. The model code is the plain functional API
+(`embed`, `run_layers`, `compute_logits`); the stage only slices and places what it is given.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.models import llama
+from jaxcpp.models.config import LlamaConfig
+from jaxcpp.runtime.model_runner import SAMPLING_KEYS, StepOutput, attention_metadata, logits_and_sample
+from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
+from jaxcpp.step_input import StepInput
+
+
+def stage_params(params: llama.Params, start: int, end: int, is_first: bool, is_last: bool) -> llama.Params:
+    """The part of a (host) params tree a stage needs: its layers, plus embedding / head at the ends."""
+    out: llama.Params = {"layers": jax.tree_util.tree_map(lambda x: x[start:end], params["layers"])}
+    tied = "lm_head" not in params
+    if is_first or (is_last and tied):
+        out["embed"] = params["embed"]  # [V, D]; the last stage needs it as the LM head when tied
+    if is_last:
+        out["norm"] = params["norm"]
+        if not tied:
+            out["lm_head"] = params["lm_head"]
+    return out
+
+
+def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata) -> jax.Array:
+    """Attention skipped: the dummy forwards of the calibration sweep time everything else."""
+    return q * 0
+
+
+class Stage:
+    def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
+                 layers: tuple[int, int], num_pages: int, page_size: int,
+                 attention_fn: llama.AttentionFn) -> None:
+        self.index = index
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.mesh = mesh
+        self.config = config
+        self.layers = layers
+        tp = mesh.shape["tp"]
+        host = stage_params(params, *layers, self.is_first, self.is_last)
+        self.params = jax.device_put(host, named(mesh, param_specs(host, config, tp)))
+        self.replicated = NamedSharding(mesh, REPLICATED)
+        kv_sharding = NamedSharding(mesh, kv_spec(config, tp))
+        self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding)
+        dtype = jax.tree_util.tree_leaves(params)[0].dtype
+        num_layers = layers[1] - layers[0]
+        make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
+        self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
+        self.batch_keys = (("token_ids",) if self.is_first else ()) + AttentionMetadata._fields \
+            + (SAMPLING_KEYS if self.is_last else ())
+        self._program = self._jit(shard_attention(attention_fn, mesh, config))
+        self._dummy_program: Any = None  # attention-free; built on first use (calibration only)
+
+    @property
+    def devices(self) -> list[Any]:
+        return list(self.mesh.devices.flat)
+
+    def _jit(self, attention_fn: llama.AttentionFn) -> Any:
+        out = StepOutput(self.replicated, self.replicated) if self.is_last else self.replicated
+        fn = functools.partial(self._forward, attention_fn=attention_fn)
+        return jax.jit(fn, donate_argnums=(1,), out_shardings=(out, self._kv_shardings))
+
+    def _forward(self, params: llama.Params, kv: llama.KVCache, hidden: jax.Array | None,
+                 batch: dict[str, jax.Array], *, attention_fn: llama.AttentionFn
+                 ) -> tuple[Any, llama.KVCache]:
+        if self.is_first:
+            hidden = llama.embed(params, batch["token_ids"])  # [T, D]
+        hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
+                                      attention_fn)
+        if self.is_last:
+            return logits_and_sample(params, hidden, batch, self.config), kv
+        return hidden, kv
+
+    # ---- per micro-batch (all asynchronous) ----------------------------------------------------
+    def put_batch(self, step: StepInput) -> dict[str, jax.Array]:
+        """The step arrays this stage reads, in one transfer onto its devices (replicated)."""
+        return jax.device_put({k: getattr(step, k) for k in self.batch_keys}, self.replicated)
+
+    def receive(self, hidden: jax.Array) -> jax.Array:
+        """The previous stage's activations, moved onto this stage's devices."""
+        return jax.device_put(hidden, self.replicated)
+
+    def run(self, batch: dict[str, jax.Array], hidden: jax.Array | None) -> Any:
+        """Dispatch the stage's program; returns activations (or StepOutput on the last stage) at once."""
+        out, self.kv = self._program(self.params, self.kv, hidden, batch)
+        return out
+
+    def run_dummy(self, batch: dict[str, jax.Array], hidden: jax.Array | None) -> Any:
+        """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
+        if self._dummy_program is None:
+            self._dummy_program = self._jit(zero_attention)
+        out, self.kv = self._dummy_program(self.params, self.kv, hidden, batch)
+        return out
+
+
+def host_params(params: llama.Params) -> llama.Params:
+    """The params as numpy, so each stage slices its part without touching device 0."""
+    return jax.tree_util.tree_map(np.asarray, params)

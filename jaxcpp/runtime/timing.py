@@ -1,0 +1,160 @@
+"""Timing probes for pipeline stages, gathered off the engine loop's thread.
+
+JAX has no device events, so each stage has a watcher thread that takes the stage's micro-batches in
+submission (FIFO) order and blocks on them: first on the inputs (the step's metadata and the activations
+handed over by the previous stage), then on the output. A stage runs its micro-batches in order, so
+
+    start   = max(inputs ready, dispatched, previous completion on this stage)
+    forward = completion - start
+
+is the time of the model call alone: staging the batch and the stage-to-stage transfer end before
+`inputs ready`, and queueing behind the previous micro-batch ends at its completion. One thread per
+stage (rather than one for the whole pipe) keeps a slow last stage from delaying what the watcher of
+stage 0 observes. When every stage of a micro-batch is timed, its forward time (the slowest stage's)
+becomes known and, if the batch asked for it (`wait_for_last_stage`), its acknowledgement is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+
+MAX_KEPT = 100_000  # timings kept for forward_time() and timings(); older ones are dropped
+
+
+@dataclass
+class StageBatch:
+    """The per-stage record of one micro-batch; it travels with the batch to the stage's watcher."""
+
+    ticket: int
+    stage: int
+    num_tokens: int               # padded token count (the bucket)
+    wait_for_last_stage: bool     # the head waits for this batch's acknowledgement (every stage agrees)
+    traced: bool                  # False for warm-up batches
+    dispatched: float             # perf_counter() when the stage's program was dispatched
+    inputs: Any                   # device arrays the program reads (never the donated KV pages)
+    output: Any                   # device arrays it produces (the activations, or tokens + logits)
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    ticket: int
+    stage: int
+    num_tokens: int
+    traced: bool
+    dispatched: float     # perf_counter() seconds
+    inputs_ready: float
+    start: float          # max(inputs_ready, dispatched, previous completion on the stage)
+    done: float
+
+    @property
+    def forward(self) -> float:
+        return self.done - self.start
+
+
+class TimingRecorder:
+    """One watcher thread per stage; `on_timing` (e.g. the trace writer) is called from them."""
+
+    def __init__(self, num_stages: int, on_timing: Callable[[StageTiming], None] | None = None) -> None:
+        self.num_stages = num_stages
+        self._on_timing = on_timing
+        self._lock = threading.Lock()
+        self._partial: dict[int, list[StageTiming]] = {}
+        self._forward: OrderedDict[int, float] = OrderedDict()
+        self._acks: dict[int, threading.Event] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._history: deque[StageTiming] = deque(maxlen=MAX_KEPT)
+        self._queues: list[queue.SimpleQueue[StageBatch | None]] = [
+            queue.SimpleQueue() for _ in range(num_stages)]
+        self._threads = [threading.Thread(target=self._watch, args=(s,), name=f"jaxcpp-stage{s}-watcher",
+                                          daemon=True) for s in range(num_stages)]
+        for t in self._threads:
+            t.start()
+
+    # ---- the engine loop's side ----------------------------------------------------------------
+    def watch(self, batches: list[StageBatch]) -> None:
+        """Hand one micro-batch's per-stage records to the watchers (never blocks)."""
+        if batches[0].wait_for_last_stage:
+            with self._lock:
+                self._acks[batches[0].ticket] = threading.Event()
+        for batch in batches:
+            self._queues[batch.stage].put(batch)
+
+    def wait_for_ack(self, ticket: int) -> None:
+        """Block until every stage has finished (and timed) the micro-batch `ticket`."""
+        event = self._acks.get(ticket)
+        if event is None:
+            raise KeyError(f"micro-batch {ticket} was not submitted with wait_for_last_stage=True")
+        event.wait()
+        with self._lock:
+            del self._acks[ticket]
+            error = self._errors.pop(ticket, None)
+        if error is not None:
+            raise error
+
+    def forward_time(self, ticket: int) -> float | None:
+        """The slowest stage's forward time of micro-batch `ticket`, once every stage has been timed."""
+        with self._lock:
+            return self._forward.get(ticket)
+
+    def timings(self) -> list[StageTiming]:
+        with self._lock:
+            return list(self._history)
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ---- the watcher threads -------------------------------------------------------------------
+    def _watch(self, stage: int) -> None:
+        last_done = 0.0
+        while (batch := self._queues[stage].get()) is not None:
+            try:
+                jax.block_until_ready(batch.inputs)
+                inputs_ready = time.perf_counter()
+                jax.block_until_ready(batch.output)
+                done = time.perf_counter()
+            except Exception as e:  # a failed program: the head learns of it when it reads the result
+                log.warning("stage %d, micro-batch %d failed: %s", stage, batch.ticket, e)
+                self._fail(batch.ticket, e)
+                continue
+            start = max(inputs_ready, batch.dispatched, last_done)
+            last_done = done
+            self._record(StageTiming(batch.ticket, stage, batch.num_tokens, batch.traced, batch.dispatched,
+                                     inputs_ready, start, done))
+
+    def _record(self, timing: StageTiming) -> None:
+        with self._lock:
+            self._history.append(timing)
+            parts = self._partial.setdefault(timing.ticket, [])
+            parts.append(timing)
+            if len(parts) == self.num_stages:
+                del self._partial[timing.ticket]
+                self._forward[timing.ticket] = max(t.forward for t in parts)
+                if len(self._forward) > MAX_KEPT:
+                    self._forward.popitem(last=False)
+                event = self._acks.get(timing.ticket)
+                if event is not None:
+                    event.set()
+        if self._on_timing is not None and timing.traced:
+            self._on_timing(timing)
+
+    def _fail(self, ticket: int, error: BaseException) -> None:
+        with self._lock:
+            self._partial.pop(ticket, None)
+            event = self._acks.get(ticket)
+            if event is not None:
+                self._errors[ticket] = error
+                event.set()
