@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any
 
-from jaxcpp.config import EngineConfig, ServerConfig, _SECTIONS
+from jaxcpp.config import _SECTIONS, EngineConfig, ServerConfig
 
 
 def _base_type(annotation: Any) -> type:

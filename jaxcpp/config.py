@@ -97,7 +97,7 @@ class ParallelConfig:
         try:
             return [int(p) for p in self.pp_partition.split(",")]
         except ValueError:
-            raise ConfigError(f"--pp-partition: expected integers like 6,6,6,8, got {self.pp_partition!r}")
+            raise ConfigError(f"--pp-partition: expected integers like 6,6,6,8, got {self.pp_partition!r}") from None
 
 
 def _default_smooth_factor() -> float:
