@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from jaxcpp.serving.client import AsyncClient
 
 

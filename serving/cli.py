@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +30,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
                        help="0 = greedy (default: the engine's, 1.0)")
     group.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
     group.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    group.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+    group.add_argument("--seed", dest="sampling_seed", metavar="SEED", type=int, default=None,
                        help="seed of this request's sampler")
     group.add_argument("--stop-token-ids", type=_int_list, default=(), help="comma-separated stop ids")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -86,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
 # -- client --------------------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> int:
     import grpc
+
     from jaxcpp.serving.client import Client
 
     with Client(args.target, api_key=args.api_key, tls=args.tls, root_certificates=args.tls_ca,
@@ -183,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt as comma-separated token ids")
     client.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
     client.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    client.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
+    client.add_argument("--api-key", default=os.environ.get("JAXCPP_API_KEY"),
+                        help="sent as 'authorization: Bearer <key>' (default: env JAXCPP_API_KEY)")
     client.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
     client.add_argument("--tls-ca", default=None, help="PEM root certificate(s) to trust (implies --tls)")
     client.add_argument("--server-name", default=None, help="TLS name to verify instead of the target's host")

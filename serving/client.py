@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from jaxcpp.serving.gen import jaxcpp_pb2 as pb
-from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 
 from jaxcpp.outputs import EngineStats, ModelInfo
+from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",

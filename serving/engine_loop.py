@@ -17,10 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from jaxcpp.serving.metrics import ServingMetrics
-
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestOutput
 from jaxcpp.sampling_params import SamplingParams
+from jaxcpp.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

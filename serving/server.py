@@ -27,16 +27,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop
-from jaxcpp.serving.gen import jaxcpp_pb2 as pb
-from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
-from jaxcpp.serving.metrics import ServingMetrics
 
 import jaxcpp
 from jaxcpp.config import ServerConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.outputs import ModelInfo, RequestOutput
 from jaxcpp.sampling_params import SamplingParams
+from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop
+from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
+from jaxcpp.serving.metrics import ServingMetrics
 from jaxcpp.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from jaxcpp.serving.client import Client
-from jaxcpp.serving.server import ServerThread
 
 from jaxcpp.config import ServerConfig
+from jaxcpp.serving.client import Client
+from jaxcpp.serving.server import ServerThread
 from tests.serving.fake_engine import FakeEngine
 
 MODEL = os.environ.get("JAXCPP_TEST_MODEL", "tiny")  # the bundled model unless told otherwise

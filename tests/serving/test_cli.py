@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from jaxcpp.serving.cli import build_parser, main
 
+from jaxcpp.serving.cli import build_parser, main
 from tests.serving.fake_engine import FakeEngine
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from jaxcpp.serving import codegen
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc
 

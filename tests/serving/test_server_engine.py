@@ -7,9 +7,9 @@ import time
 
 import grpc
 import pytest
-from jaxcpp.serving import AsyncClient, Client
 
 from jaxcpp.sampling_params import SamplingParams
+from jaxcpp.serving import AsyncClient, Client
 from tests.serving.conftest import MAX_MESSAGE_BYTES, REAL_ENGINE_KWARGS
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from jaxcpp.serving import AsyncClient, Client
 from jaxcpp.serving.client import build_request
-
 from tests.serving.fake_engine import EOS, FakeEngine
 
 

@@ -11,8 +11,8 @@ import time
 
 import grpc
 import pytest
-from jaxcpp.serving import Client
 
+from jaxcpp.serving import Client
 from tests.serving.conftest import MODEL
 from tests.serving.fake_engine import FakeEngine
 
