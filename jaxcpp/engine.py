@@ -13,6 +13,7 @@ import random
 import time
 from collections import deque
 
+from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
@@ -38,11 +39,14 @@ class LLMEngine:
         self.page_size = config.cache.block_size
         self.executor: Executor = build_executor(config, self.model)
         self.allocator = PageAllocator(self.model.num_pages)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.page_size)
         self.shape = StepShape(self.model.token_buckets, config.scheduler.max_num_seqs,
                                self.model.pages_per_seq, self.page_size)
+        self.chunking = self._build_chunk_controller()
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.page_size, self.chunking)
         self.warmup_seconds = self.executor.warmup(self.shape.token_buckets, self.shape.max_num_seqs,
                                                    self.shape.pages_per_seq)
+        if self.chunking is not None:
+            self.chunking.run_startup_sweep(self.executor.time_dummy_forward)
         self._compilations_at_warmup = compile_guard.num_compilations()
         self._requests: dict[str, Sequence] = {}
         self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
@@ -52,6 +56,14 @@ class LLMEngine:
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens",
                  len(self.shape.token_buckets), self.shape.token_buckets, self.warmup_seconds,
                  self.model.num_pages, self.page_size)
+
+    def _build_chunk_controller(self) -> DynamicChunkController | None:
+        if not self.config.chunking.enable_dynamic_chunking:
+            return None
+        controller = DynamicChunkController.from_config(
+            self.config, allowed_sizes=tuple(self.shape.token_buckets))
+        controller.max_model_len = self.model.max_model_len
+        return controller
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -92,9 +104,15 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return
-        self.scheduler.finish(seq, "abort")
-        seq.metrics.finished_time = time.monotonic()
+        self._retire(seq, "abort", time.monotonic())
         self._aborted.append(self._output(seq, []))
+
+    def _retire(self, seq: Sequence, reason: str, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        self._requests.pop(seq.request_id, None)
+        seq.metrics.finished_time = now
+        if self.chunking is not None:
+            self.chunking.finish_request(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._in_flight or self._aborted)
@@ -106,6 +124,7 @@ class LLMEngine:
         if self._in_flight and (len(self._in_flight) == self.executor.max_in_flight or not scheduled):
             sched, ticket = self._in_flight.popleft()
             outputs += self._postprocess(sched, self.executor.collect(ticket))
+            self._record_chunk_timing(sched, ticket)
         self._stats.maybe_log(self)
         return outputs
 
@@ -113,7 +132,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return False
-        ticket = self.executor.submit(build_step_input(sched, self.shape))
+        wait = self.chunking is not None and self.chunking.head_waits_for_ack
+        ticket = self.executor.submit(build_step_input(sched, self.shape), wait_for_last_stage=wait)
         self._in_flight.append((sched, ticket))
         self._stats.count_scheduled(sched)
         return True
@@ -134,11 +154,21 @@ class LLMEngine:
                 seq.logits.append(logits[i])
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self._requests.pop(seq.request_id, None)
-                seq.metrics.finished_time = now
+                self._retire(seq, reason, now)
             outputs.append(self._output(seq, [token]))
         return outputs
+
+    def _record_chunk_timing(self, sched: SchedulerOutput, ticket: int) -> None:
+        """Feed the calibration: a batch that is one prefill chunk alone, timed on the device."""
+        if self.chunking is None or self.chunking.state != "calibrating" or len(sched.chunks) != 1:
+            return
+        chunk = sched.chunks[0]
+        if chunk.start >= len(chunk.seq.prompt_token_ids):
+            return  # a decode
+        seconds = self.executor.forward_time(ticket)
+        if seconds is None:
+            return
+        self.chunking.record_timing(chunk.num_tokens, chunk.start, seconds, True, chunk.seq.request_id)
 
     @staticmethod
     def _record_token_time(seq: Sequence, now: float) -> None:
@@ -172,7 +202,15 @@ class LLMEngine:
             num_compilations_since_warmup=compile_guard.num_compilations() - self._compilations_at_warmup,
             num_prompt_tokens_total=self._stats.prompt_tokens_total,
             num_generation_tokens_total=self._stats.generation_tokens_total,
-            num_preemptions_total=self.scheduler.num_preemptions)
+            num_preemptions_total=self.scheduler.num_preemptions,
+            dynamic_chunking=self._chunking_state())
+
+    def _chunking_state(self) -> dict[str, object]:
+        if self.chunking is None:
+            return {"state": "off"}
+        model = self.chunking.model
+        coeffs = {} if model is None else {"a": model.a, "b": model.b, "c": model.c, "gamma": model.gamma}
+        return {"state": self.chunking.state, "policy": self.chunking.policy, **coeffs}
 
     def model_info(self) -> ModelInfo:
         c, m = self.config, self.model

@@ -6,6 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from jaxcpp.chunking.controller import format_report
 from jaxcpp.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -40,5 +41,7 @@ class StatsLogger:
                  s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_total,
                  100.0 * s.num_pages_used / max(1, s.num_pages_total), prefill_tps, decode_tps,
                  s.num_preemptions_total, s.num_compilations_since_warmup)
+        if engine.chunking is not None:
+            log.info(format_report(engine.chunking.report_counts()))
         self._last_time, self._last_prompt, self._last_generation = (
             now, self.prompt_tokens_total, self.generation_tokens_total)
