@@ -60,15 +60,15 @@ class _StatsCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
         dynamic = GaugeMetricFamily("jaxcpp_dynamic_chunking", "dynamic chunking state and counters, by name",
                                     labels=["name"])
-        for key, value in _numeric_items(stats.dynamic_chunking):
-            dynamic.add_metric([key], value)
+        labels = GaugeMetricFamily("jaxcpp_dynamic_chunking_info", "dynamic chunking textual state "
+                                   "(state, policy), as a 1-valued gauge", labels=["name", "value"])
+        for key, value in sorted(stats.dynamic_chunking.items()):
+            if isinstance(value, bool | int | float):
+                dynamic.add_metric([key], float(value))
+            else:
+                labels.add_metric([key, str(value)], 1.0)
         yield dynamic
-
-
-def _numeric_items(values: dict[str, Any]) -> Iterator[tuple[str, float]]:
-    for key, value in sorted(values.items()):
-        if isinstance(value, bool | int | float):
-            yield key, float(value)
+        yield labels
 
 
 class ServingMetrics:

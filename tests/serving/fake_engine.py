@@ -55,6 +55,7 @@ class FakeEngine:
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after                # emit EOS as the n-th token (None: never)
         self.num_steps = 0
+        self.dynamic_chunking: dict[str, object] = {"state": "off"}
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._aborted: list[_Request] = []
@@ -119,7 +120,8 @@ class FakeEngine:
                            num_pages_used=self._pages_used, num_pages_free=self.num_pages - self._pages_used,
                            num_pages_total=self.num_pages, num_compilations_since_warmup=0,
                            num_prompt_tokens_total=self._prompt_tokens,
-                           num_generation_tokens_total=self._generated_tokens, num_preemptions_total=0)
+                           num_generation_tokens_total=self._generated_tokens, num_preemptions_total=0,
+                           dynamic_chunking=dict(self.dynamic_chunking))
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(name="fake", architecture="fake", vocab_size=self.tokenizer.vocab_size,

@@ -190,7 +190,9 @@ def test_health_reflection_and_model_info(fake_client: Client) -> None:
 
 
 def test_prometheus_metrics(serve) -> None:
-    server = serve(FakeEngine(), metrics_port=0)
+    engine = FakeEngine()
+    engine.dynamic_chunking = {"state": "installed", "policy": "optimal", "a": 2.5e-9, "chunks_from_model": 3}
+    server = serve(engine, metrics_port=0)
     with Client(f"127.0.0.1:{server.port}") as client:
         for _ in range(3):
             client.generate("abc", max_tokens=5)
@@ -202,8 +204,14 @@ def test_prometheus_metrics(serve) -> None:
                  "jaxcpp_e2e_request_latency_seconds_count 3.0",
                  'jaxcpp_requests_finished_total{finish_reason="length"} 3.0',
                  "jaxcpp_requests_in_flight 0.0", "jaxcpp_kv_cache_pages_used 0.0",
-                 "jaxcpp_compilations_since_warmup 0.0", "jaxcpp_generation_tokens_total 15.0"):
+                 "jaxcpp_compilations_since_warmup 0.0", "jaxcpp_generation_tokens_total 15.0",
+                 'jaxcpp_dynamic_chunking{name="chunks_from_model"} 3.0',
+                 'jaxcpp_dynamic_chunking_info{name="state",value="installed"} 1.0'):
         assert line in body, line
+    with Client(f"127.0.0.1:{server.port}") as client:
+        stats = client.stats()
+    assert stats.engine.dynamic_chunking == {"a": 2.5e-9, "chunks_from_model": 3.0}
+    assert stats.dynamic_chunking_labels == {"state": "installed", "policy": "optimal"}
 
 
 def test_engine_failure_fails_requests_and_health(serve) -> None:
