@@ -98,7 +98,7 @@ class PipelineExecutor:
             batch = stage.put_batch(step)
             if hidden is not None:
                 hidden = stage.receive(hidden)
-            inputs = (batch, hidden)
+            inputs = (batch.packed, hidden)
             dispatched = time.perf_counter()
             hidden = stage.run(batch, hidden)
             records.append(StageBatch(ticket, stage.index, step.num_tokens_padded, wait_for_last_stage,
@@ -151,7 +151,7 @@ class PipelineExecutor:
             batch = stage.put_batch(step)
             if hidden is not None:
                 hidden = stage.receive(hidden)
-            jax.block_until_ready((batch, hidden, stage.kv))  # also drains micro-batches in flight
+            jax.block_until_ready((batch.packed, hidden, stage.kv))  # also drains micro-batches in flight
             t0 = time.perf_counter()
             hidden = jax.block_until_ready(stage.run_dummy(batch, hidden))
             seconds.append(time.perf_counter() - t0)

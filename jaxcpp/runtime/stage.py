@@ -5,8 +5,9 @@
     last stage:   activations -> layers[start:end] -> final norm -> logits at logits_indices -> sample
     (with P = 1 the one stage is both first and last)
 
-Each stage jits its own program (one per token bucket, by shape); params are arguments, the KV pages
-are donated and stay sharded as they came in, activations leave replicated over the stage's "tp" axis
+Each stage jits its own program (one per token bucket, by shape); params are arguments, the step's
+arrays arrive packed in one buffer (`jaxcpp.runtime.packing`), the KV pages are donated and stay
+sharded as they came in, activations leave replicated over the stage's "tp" axis
 so the next stage can take them with one `device_put`. The model code is the plain functional API
 (`embed`, `run_layers`, `compute_logits`); the stage only slices and places what it is given.
 """
@@ -14,7 +15,7 @@ so the next stage can take them with one `device_put`. The model code is the pla
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -24,8 +25,14 @@ from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.model_runner import SAMPLING_KEYS, StepOutput, attention_metadata, logits_and_sample
+from jaxcpp.runtime.packing import Layout, pack, unpack
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
 from jaxcpp.step_input import StepInput
+
+
+class StageInput(NamedTuple):
+    packed: jax.Array  # [n] int32 on the stage's devices: the step's fields this stage reads
+    layout: Layout     # how to cut it apart (static: one per bucket)
 
 
 def stage_params(params: llama.Params, start: int, end: int, is_first: bool, is_last: bool) -> llama.Params:
@@ -77,11 +84,13 @@ class Stage:
     def _jit(self, attention_fn: llama.AttentionFn) -> Any:
         out = StepOutput(self.replicated, self.replicated) if self.is_last else self.replicated
         fn = functools.partial(self._forward, attention_fn=attention_fn)
-        return jax.jit(fn, donate_argnums=(1,), out_shardings=(out, self._kv_shardings))
+        return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
+                       out_shardings=(out, self._kv_shardings))
 
     def _forward(self, params: llama.Params, kv: llama.KVCache, hidden: jax.Array | None,
-                 batch: dict[str, jax.Array], *, attention_fn: llama.AttentionFn
+                 packed: jax.Array, *, layout: Layout, attention_fn: llama.AttentionFn
                  ) -> tuple[Any, llama.KVCache]:
+        batch = unpack(packed, layout)
         if self.is_first:
             hidden = llama.embed(params, batch["token_ids"])  # [T, D]
         hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
@@ -91,24 +100,25 @@ class Stage:
         return hidden, kv
 
     # ---- per micro-batch (all asynchronous) ----------------------------------------------------
-    def put_batch(self, step: StepInput) -> dict[str, jax.Array]:
-        """The step arrays this stage reads, in one transfer onto its devices (replicated)."""
-        return jax.device_put({k: getattr(step, k) for k in self.batch_keys}, self.replicated)
+    def put_batch(self, step: StepInput) -> StageInput:
+        """The step arrays this stage reads, packed into one transfer onto its devices (replicated)."""
+        buf, layout = pack(step, self.batch_keys)
+        return StageInput(jax.device_put(buf, self.replicated), layout)
 
     def receive(self, hidden: jax.Array) -> jax.Array:
         """The previous stage's activations, moved onto this stage's devices."""
         return jax.device_put(hidden, self.replicated)
 
-    def run(self, batch: dict[str, jax.Array], hidden: jax.Array | None) -> Any:
+    def run(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """Dispatch the stage's program; returns activations (or StepOutput on the last stage) at once."""
-        out, self.kv = self._program(self.params, self.kv, hidden, batch)
+        out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, layout=batch.layout)
         return out
 
-    def run_dummy(self, batch: dict[str, jax.Array], hidden: jax.Array | None) -> Any:
+    def run_dummy(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
         if self._dummy_program is None:
             self._dummy_program = self._jit(zero_attention)
-        out, self.kv = self._dummy_program(self.params, self.kv, hidden, batch)
+        out, self.kv = self._dummy_program(self.params, self.kv, hidden, batch.packed, layout=batch.layout)
         return out
 
 
