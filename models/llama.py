@@ -1,0 +1,317 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in flax.linen, driven through a small functional API.
+
+The math lives in linen modules (`RMSNorm`, `Attention`, `MLP`, `DecoderLayer`); the functions below apply
+them to a plain params pytree whose decoder layers are stacked along a leading `num_layers` axis:
+
+    {"embed": [V, D], "layers": {<one DecoderLayer's params, each with a leading [L] axis>},
+     "norm": [D], "lm_head": [D, V] (absent when the embeddings are tied)}
+
+A pipeline stage is a slice `layers[start:end]`, run by `run_layers` under `jax.lax.scan`, so compile
+time does not grow with depth. The decoder layer takes attention as a callable: the paged path writes the
+new K/V into the stage's `KVCache` and calls the ragged paged attention op; `forward_dense` (training,
+tests) uses plain causal attention. The model knows nothing of stages, sharding or scheduling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
+from jaxcpp.models.config import LlamaConfig
+
+Params = dict[str, Any]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+# attend(q [..., T, H, Dh], k [..., T, Hkv, Dh], v [..., T, Hkv, Dh]) -> (out [..., T, H, Dh], aux)
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+INIT_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Device state of one stage's pages."""
+
+    k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # [head_dim // 2] float32
+    """Inverse frequencies exactly as transformers computes them (float32), incl. linear/llama3 scaling."""
+    f32 = np.float32
+    dim = config.head_dim
+    inv_freq = f32(1.0) / (f32(config.rope_theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = f32(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    low, high = f32(scaling["low_freq_factor"]), f32(scaling["high_freq_factor"])
+    old_len = f32(scaling["original_max_position_embeddings"])
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = f32(2 * np.pi) / inv_freq
+    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (f32(1.0) - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_freq_llama).astype(f32)
+
+
+def apply_rope(
+    x: jax.Array,  # [..., T, H, Dh]
+    positions: jax.Array,  # [T] or [..., T] int32
+    inv_freq: np.ndarray,  # [Dh // 2] float32
+) -> jax.Array:  # [..., T, H, Dh]
+    """Rotate-half RoPE (the Hugging Face Llama layout): angles in float32, then cast to x's dtype."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, Dh]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+# --------------------------------------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)  # [D]
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _dense(features: int, use_bias: bool, param_dtype: Any, name: str) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, param_dtype=param_dtype, name=name,
+                    kernel_init=nn.initializers.normal(INIT_STD))
+
+
+class Attention(nn.Module):
+    """The projections around attention; the attention itself is the caller's (paged or dense)."""
+
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        c, dt = self.config, self.param_dtype
+        self.q_proj = _dense(c.num_attention_heads * c.head_dim, c.attention_bias, dt, "q_proj")
+        self.k_proj = _dense(c.num_key_value_heads * c.head_dim, c.attention_bias, dt, "k_proj")
+        self.v_proj = _dense(c.num_key_value_heads * c.head_dim, c.attention_bias, dt, "v_proj")
+        self.o_proj = _dense(c.hidden_size, c.attention_out_bias, dt, "o_proj")
+
+    def qkv(
+        self,
+        x: jax.Array,  # [..., T, D]
+        positions: jax.Array,  # [T] or [..., T] int32
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [..., T, H, Dh], k/v [..., T, Hkv, Dh]
+        c = self.config
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).reshape(*lead, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(*lead, c.num_key_value_heads, c.head_dim)
+        inv_freq = rope_inv_freq(c)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def out(self, attn: jax.Array) -> jax.Array:  # [..., T, H, Dh] -> [..., T, D]
+        return self.o_proj(attn.reshape(*attn.shape[:-2], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
+        c, dt = self.config, self.param_dtype
+        gate = _dense(c.intermediate_size, False, dt, "gate_proj")(x)
+        up = _dense(c.intermediate_size, False, dt, "up_proj")(x)
+        return _dense(c.hidden_size, False, dt, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: LlamaConfig
+    param_dtype: Any = jnp.float32
+
+    def setup(self) -> None:
+        c, dt = self.config, self.param_dtype
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, dt)
+        self.self_attn = Attention(c, dt)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dt)
+        self.mlp = MLP(c, dt)
+
+    def __call__(
+        self,
+        hidden: jax.Array,  # [..., T, D]
+        positions: jax.Array,  # [T] or [..., T] int32
+        attend: Attend,
+    ) -> tuple[jax.Array, Any]:  # ([..., T, D], whatever `attend` returned beside its output)
+        q, k, v = self.self_attn.qkv(self.input_layernorm(hidden), positions)
+        attn, aux = attend(q, k, v)
+        hidden = hidden + self.self_attn.out(attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), aux
+
+
+# ------------------------------------------------------------------------------------- functional API
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random params (normal(0.02) weights, unit norms, zero biases) with layers stacked on axis 0."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    d, v = config.hidden_size, config.vocab_size
+    layer = DecoderLayer(config, dtype)
+
+    def init_layer(k: jax.Array) -> Params:
+        dummy = jnp.zeros((1, d), dtype)
+        return layer.init(k, dummy, jnp.zeros((1,), jnp.int32), lambda q, k_, v_: (q, None))["params"]
+
+    keys = jax.random.split(k_layers, config.num_hidden_layers)
+    params: Params = {
+        "embed": (jax.random.normal(k_embed, (v, d), jnp.float32) * INIT_STD).astype(dtype),  # [V, D]
+        "layers": jax.vmap(init_layer)(keys),  # {...: [L, ...]}
+        "norm": jnp.ones((d,), dtype),  # [D]
+    }
+    if not config.tie_word_embeddings:
+        lm_head = jax.random.normal(k_head, (d, v), jnp.float32) * INIT_STD
+        params["lm_head"] = lm_head.astype(dtype)  # [D, V]
+    return params
+
+
+def embed(params: Params, token_ids: jax.Array) -> jax.Array:  # [...] int32 -> [..., D]
+    return jnp.take(params["embed"], token_ids, axis=0)
+
+
+def num_layers_of(layer_params: Params) -> int:
+    return int(jax.tree_util.tree_leaves(layer_params)[0].shape[0])
+
+
+def _write_layer_kv(
+    kv: KVCache,
+    layer: jax.Array,  # [] int32
+    k: jax.Array,  # [T, num_kv_heads, head_dim]
+    v: jax.Array,  # [T, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [T] int32, slots within one layer's pages
+) -> KVCache:
+    """Scatter layer `layer`'s new K/V straight into the stacked cache (viewing [L, N, ...] as [L*N, ...]).
+
+    Writing the whole carry in place costs O(T); slicing out the layer, writing and `.at[layer].set`
+    would make XLA copy the layer's page pool twice per layer per step.
+    """
+    num_layers, num_pages, page_size = kv.k.shape[:3]
+    flat = (num_layers * num_pages, *kv.k.shape[2:])
+    slots = slot_mapping + layer * (num_pages * page_size)
+    k_all, v_all = write_kv_pages(kv.k.reshape(flat), kv.v.reshape(flat), k, v, slots)
+    return KVCache(k_all.reshape(kv.k.shape), v_all.reshape(kv.v.shape))
+
+
+def run_layers(
+    layer_params: Params,  # {...: [L, ...]}: all layers or a stage's slice
+    hidden: jax.Array,  # [T, D]
+    kv: KVCache,  # pages of exactly these L layers
+    md: AttentionMetadata,
+    config: LlamaConfig,
+    attention_fn: AttentionFn = ragged_paged_attention_reference,
+) -> tuple[jax.Array, KVCache]:  # ([T, D], kv with this step's K/V written)
+    """Run stacked decoder layers on a ragged token batch, writing each layer's new K/V in place."""
+    num_layers = num_layers_of(layer_params)
+    if kv.k.shape[0] != num_layers:
+        raise ValueError(f"KV cache holds {kv.k.shape[0]} layers but layer_params has {num_layers}")
+    layer = DecoderLayer(config)
+
+    def body(carry: tuple[jax.Array, KVCache], xs: tuple[Params, jax.Array]) -> tuple[Any, None]:
+        hidden, kv = carry
+        lp, i = xs
+
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
+            new_kv = _write_layer_kv(kv, i, k, v, md.slot_mapping)
+            return attention_fn(q, new_kv.k[i], new_kv.v[i], md), new_kv
+
+        hidden, kv = layer.apply({"params": lp}, hidden, md.positions, attend)
+        return (hidden, kv), None
+
+    (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_params, jnp.arange(num_layers)))
+    return hidden, kv
+
+
+def compute_logits(
+    params: Params,  # needs "norm" and "lm_head" (or "embed" when tied)
+    hidden: jax.Array,  # [..., D]
+    config: LlamaConfig,
+) -> jax.Array:  # [..., V] float32
+    """Final RMSNorm, then the LM head (the embedding matrix, transposed, when tied)."""
+    normed = RMSNorm(config.rms_norm_eps).apply({"params": {"scale": params["norm"]}}, hidden)
+    if "lm_head" in params:
+        logits = normed @ params["lm_head"].astype(normed.dtype)
+    else:
+        logits = normed @ params["embed"].astype(normed.dtype).T
+    return logits.astype(jnp.float32)
+
+
+def forward(
+    params: Params,
+    token_ids: jax.Array,  # [T] int32
+    kv: KVCache,
+    md: AttentionMetadata,
+    config: LlamaConfig,
+    attention_fn: AttentionFn = ragged_paged_attention_reference,
+) -> tuple[jax.Array, KVCache]:  # (hidden [T, D] before the final norm, kv)
+    return run_layers(params["layers"], embed(params, token_ids), kv, md, config, attention_fn)
+
+
+def dense_causal_attention(
+    q: jax.Array,  # [B, T, H, Dh]
+    k: jax.Array,  # [B, T, Hkv, Dh]
+    v: jax.Array,  # [B, T, Hkv, Dh]
+) -> jax.Array:  # [B, T, H, Dh]
+    b, t, h, dh = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, h // hkv, dh) * dh**-0.5
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))  # [B, Hkv, G, T, T]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def forward_dense(
+    params: Params,
+    token_ids: jax.Array,  # [B, T] int32
+    config: LlamaConfig,
+) -> jax.Array:  # [B, T, V] float32
+    """Whole sequences from position 0 with plain causal attention: training and tests."""
+    layer = DecoderLayer(config)
+    positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
+
+    def body(hidden: jax.Array, lp: Params) -> tuple[jax.Array, None]:
+        hidden, _ = layer.apply({"params": lp}, hidden, positions,
+                                lambda q, k, v: (dense_causal_attention(q, k, v), None))
+        return hidden, None
+
+    hidden, _ = jax.lax.scan(body, embed(params, token_ids), params["layers"])
+    return compute_logits(params, hidden, config)
+
+
+def make_kv_cache(
+    config: LlamaConfig, num_layers: int, num_pages: int, page_size: int, dtype: Any = jnp.float32
+) -> KVCache:
+    shape = (num_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def param_count(params: Params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
