@@ -239,7 +239,12 @@ def run_layers(
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
             new_kv = _write_layer_kv(kv, i, k, v, md.slot_mapping)
-            return attention_fn(q, new_kv.k[i], new_kv.v[i], md), new_kv
+            # Attend over all layers' pages viewed as one pool, with this layer's page ids offset:
+            # a reshape is free, while slicing out layer i would copy its whole page pool every step.
+            num_layers, num_pages = kv.k.shape[:2]
+            pool = (num_layers * num_pages, *kv.k.shape[2:])
+            layer_md = md._replace(page_indices=md.page_indices + i * num_pages)
+            return attention_fn(q, new_kv.k.reshape(pool), new_kv.v.reshape(pool), layer_md), new_kv
 
         hidden, kv = layer.apply({"params": lp}, hidden, md.positions, attend)
         return (hidden, kv), None
