@@ -47,6 +47,14 @@ class Executor(Protocol):
 
     def collect(self, ticket: int) -> StepResult: ...
 
+    def forward_time(self, ticket: int) -> float | None:
+        """The slowest stage's model-call time for a collected step, once probes know it."""
+        ...
+
+    def time_dummy_forward(self, num_tokens: int) -> float:
+        """An attention-free forward of one bucket, timed around the model call (calibration sweep)."""
+        ...
+
 
 class SingleDeviceExecutor:
     """The whole model on one device; JAX's async dispatch lets the host prepare while it runs."""
@@ -71,3 +79,9 @@ class SingleDeviceExecutor:
         head, out = self._pending.popleft()
         assert head == ticket, f"tickets are collected in FIFO order: expected {head}, got {ticket}"
         return StepResult(np.asarray(out.tokens), out.logits)
+
+    def forward_time(self, ticket: int) -> float | None:
+        return None  # no timing probes without a pipeline: dynamic chunking needs PP > 1
+
+    def time_dummy_forward(self, num_tokens: int) -> float:
+        raise NotImplementedError("the calibration sweep runs on pipelines only (dynamic chunking needs PP > 1)")

@@ -81,8 +81,8 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, pages_per_seq: int, ite
     if config.cache.num_pages is not None:
         num_pages = config.cache.num_pages
     else:
-        page_bytes = (2 * model.num_hidden_layers * config.cache.block_size * model.num_key_value_heads
-                      * model.head_dim * itemsize) // config.parallel.pipeline_parallel_size
+        page_bytes = (2 * _largest_stage_layers(config, model) * config.cache.block_size
+                      * model.num_key_value_heads * model.head_dim * itemsize)
         budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, page_bytes)
         # More pages than every sequence at full length can use would only waste memory.
         num_pages = min(budget, config.scheduler.max_num_seqs * pages_per_seq + 1)
@@ -90,6 +90,14 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, pages_per_seq: int, ite
         raise ConfigError(f"--num-pages: {num_pages} pages cannot hold one sequence of --max-model-len "
                           f"({pages_per_seq} pages of {config.cache.block_size} tokens, plus the reserved page)")
     return num_pages
+
+
+def _largest_stage_layers(config: EngineConfig, model: LlamaConfig) -> int:
+    """Every stage holds the same number of pages, so the stage with the most layers sizes them."""
+    p = config.parallel
+    if p.pp_partition is not None:
+        return max(p.partition_list())
+    return -(-model.num_hidden_layers // p.pipeline_parallel_size)
 
 
 def build_executor(config: EngineConfig, model: LoadedModel) -> Executor:

@@ -104,5 +104,6 @@ class ModelRunner:
 
 
 def cast_params(params: Any, dtype: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                                  else x, params)
+    """Cast floating params on the host, so no full copy lands on device 0 before staging places them."""
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x).astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x), params)
