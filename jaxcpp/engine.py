@@ -119,13 +119,21 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
         outputs, self._aborted = self._aborted, []
-        scheduled = self._submit_next() if len(self._in_flight) < self.executor.max_in_flight else False
-        if self._in_flight and (len(self._in_flight) == self.executor.max_in_flight or not scheduled):
-            sched, ticket = self._in_flight.popleft()
-            outputs += self._postprocess(sched, self.executor.collect(ticket))
-            self._record_chunk_timing(sched, ticket)
+        submitted = self._pipe_has_room() and self._submit_next()
+        if self._in_flight and (not self._pipe_has_room() or not submitted):
+            outputs += self._collect_oldest()
         self._stats.maybe_log(self)
+        return outputs
+
+    def _pipe_has_room(self) -> bool:
+        return len(self._in_flight) < self.executor.max_in_flight
+
+    def _collect_oldest(self) -> list[RequestOutput]:
+        sched, ticket = self._in_flight.popleft()
+        outputs = self._postprocess(sched, self.executor.collect(ticket))
+        self._record_chunk_timing(sched, ticket)
         return outputs
 
     def _submit_next(self) -> bool:
