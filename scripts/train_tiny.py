@@ -117,14 +117,14 @@ def greedy_sample(params: Params, config: LlamaConfig, prompt: str, num_new: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--eval-windows", type=int, default=256, help="held-out windows of --seq-len bytes")
-    ap.add_argument("--max-minutes", type=float, default=12.0, help="stop early after this long")
+    ap.add_argument("--max-minutes", type=float, default=22.0, help="stop early after this long")
     ap.add_argument("--stop-after-steps", type=int, default=None,
                     help="run only the first N steps of the --steps schedule (reproduces a capped run)")
     ap.add_argument("--log-every", type=int, default=20)
