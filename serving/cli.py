@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from jaxcpp.chunking.cli import add_parser as add_chunk_plan_parser
 from jaxcpp.cli_args import add_config_args, add_engine_args, engine_config_from_args, server_config_from_args
 from jaxcpp.config import ConfigError, ServerConfig
 from jaxcpp.errors import InvalidRequestError, ModelLoadError
@@ -138,6 +139,7 @@ def _generate(args: argparse.Namespace) -> int:
     from jaxcpp import LLM, SamplingParams
 
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("jaxcpp.runtime").setLevel(logging.INFO)  # the per-bucket compile progress
     config = engine_config_from_args(args)  # validates; errors name the flag
     flat = {k: v for section in dataclasses.asdict(config).values() for k, v in section.items()}
     params = SamplingParams(**_sampling_kwargs(args))
@@ -150,24 +152,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------------------------
-def _add_chunk_plan(subparsers: Any) -> None:
-    try:
-        from jaxcpp.chunking.cli import add_parser
-    except ModuleNotFoundError as err:
-        if err.name != "jaxcpp.chunking.cli":
-            raise
-        reason = "jaxcpp.chunking.cli is not part of this build"
-        p = subparsers.add_parser("chunk-plan", help=f"plan dynamic prompt chunks (unavailable: {reason})")
-        p.set_defaults(func=lambda args: _unavailable("chunk-plan", reason))
-        return
-    add_parser(subparsers)
-
-
-def _unavailable(command: str, reason: str) -> int:
-    print(f"jaxcpp {command}: unavailable: {reason}", file=sys.stderr)
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxcpp",
                                      description="JAX/XLA LLM inference engine and gRPC server")
@@ -206,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(generate)
     generate.set_defaults(func=_generate)
 
-    _add_chunk_plan(sub)
+    add_chunk_plan_parser(sub)
     return parser
 
 
