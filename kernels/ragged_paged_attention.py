@@ -5,7 +5,9 @@ cached prefix. Queries are flat over tokens (`cu_q_lens` marks where each sequen
 pages `[num_pages, page_size, num_kv_heads, head_dim]` addressed by `page_indices`.
 
 This file holds, as JAX's own Pallas ops do, the Pallas kernel, its wrapper (input checks, layout), the
-jitted API `ragged_paged_attention`, the pure-JAX reference (also the CPU "xla" path of the engine) and
+jitted API `ragged_paged_attention`, the pure-JAX reference (every token gathers its own sequence's
+pages: simple, the correctness yardstick), the pure-JAX XLA path `ragged_paged_attention_xla` (the CPU
+"xla" backend of the engine: the kernel's query-block structure in batched XLA ops, see its section) and
 the op that writes a step's new K/V into the pages (kept separate: the kernel only reads pages).
 
 The kernel. Grid = (query blocks of `block_q` tokens, KV heads). One program owns the
@@ -35,6 +37,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
 from jaxcpp.kernels.metadata import AttentionMetadata
 
 DEFAULT_KV_BLOCK_TOKENS = 128  # KV positions visited per loop iteration of the reference
@@ -341,3 +344,151 @@ def ragged_paged_attention(
         name="ragged_paged_attention",
     )(first_seq, last_seq, md.cu_q_lens, md.kv_lens, page_indices, qg, k_pages, v_pages)
     return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)
+
+
+# ------------------------------------------------------------------------------------- XLA (CPU) path
+
+DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill part
+DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
+
+
+def _online_softmax_step(m, denom, acc, scores, mask, v, contract: str):
+    """Fold one block of fp32 scores (masked entries: anything) into the running max, denominator, sum."""
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    correction = jnp.exp(m - m_new)  # rows this block leaves untouched keep m, so 1
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    denom = denom * correction + p.sum(axis=-1)
+    return m_new, denom, acc * correction[..., None] + jnp.einsum(contract, p, v)
+
+
+def _decode_attention(qg, k_pages, v_pages, md, *, block_pages: int):
+    """The first S tokens as decodes: each gathers its own sequence's pages (optimal at one token each).
+
+    qg: [N, kv_heads, group, head_dim] fp32, already scaled, N = min(S, T). Tokens >= num_decodes see
+    nothing and come out 0.
+    """
+    n, num_kv_heads, group, head_dim = qg.shape
+    page_size = k_pages.shape[1]
+    block_tokens = block_pages * page_size
+    token = jnp.arange(n, dtype=jnp.int32)
+    kv_visible = jnp.where(token < md.num_decodes, md.kv_lens[:n], 0)
+    pages_of = jnp.pad(md.page_indices[:n], ((0, 0), (0, -md.page_indices.shape[1] % block_pages)))
+    num_blocks = (jnp.max(kv_visible) + block_tokens - 1) // block_tokens
+
+    def body(state):
+        i, m, denom, acc = state
+        pages = lax.dynamic_slice_in_dim(pages_of, i * block_pages, block_pages, axis=1)
+        k = k_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        scores = jnp.einsum("tkgd,tnkd->tkgn", qg, k)
+        mask = (i * block_tokens + jnp.arange(block_tokens) < kv_visible[:, None])[:, None, None, :]
+        return (i + 1, *_online_softmax_step(m, denom, acc, scores, mask, v, "tkgn,tnkd->tkgd"))
+
+    stats = (n, num_kv_heads, group)
+    init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, head_dim), jnp.float32))
+    _, _, denom, acc = lax.while_loop(lambda s: s[0] < num_blocks, body, init)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [N, kv_heads, group, head_dim]
+
+
+def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: int):
+    """Prefill tokens in query blocks; each block gathers each sequence it touches ONCE for all its tokens.
+
+    qg: [T, kv_heads, group, head_dim] fp32, already scaled. For every block, the prefill sequences it
+    touches form a range [first, last]; step j visits sequence first + j of every block at once (trip
+    count: the widest range), and for it the KV blocks up to the furthest position any block's tokens of
+    that sequence see. Decode and padding tokens come out 0.
+    """
+    num_tokens, num_kv_heads, group, head_dim = qg.shape
+    page_size = k_pages.shape[1]
+    num_seqs_padded = md.kv_lens.shape[0]
+    block_tokens = block_pages * page_size
+    num_q_blocks = -(-num_tokens // block_q)
+    padded = num_q_blocks * block_q
+
+    seq, kv_visible, _ = token_layout(md, num_tokens)
+    prefill_start, num_real = md.cu_q_lens[md.num_decodes], md.cu_q_lens[md.num_seqs]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    kv_visible = jnp.where(token >= prefill_start, kv_visible, 0)  # decodes and padding see nothing
+    pad_t = padded - num_tokens
+    tok_seq = jnp.pad(seq, (0, pad_t), constant_values=-1).reshape(num_q_blocks, block_q)
+    tok_visible = jnp.pad(kv_visible, (0, pad_t)).reshape(num_q_blocks, block_q)
+
+    # First and last prefill sequence of each block (first > last: no prefill token in the block).
+    t0 = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
+    t_first = jnp.maximum(t0, prefill_start)
+    t_last = jnp.minimum(t0 + block_q, num_real) - 1
+    seq_ends = md.cu_q_lens[1:]
+    first = jnp.searchsorted(seq_ends, t_first, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(seq_ends, t_last, side="right").astype(jnp.int32)
+    empty = t_first > t_last
+    first, last = jnp.where(empty, 0, first), jnp.where(empty, -1, last)
+    span = jnp.max(last - first + 1)
+
+    pages_of = jnp.pad(md.page_indices, ((0, 0), (0, -md.page_indices.shape[1] % block_pages)))
+    # [blocks, kv_heads, block_q, group, head_dim]: one batched matmul per block and KV head.
+    qb = jnp.pad(qg, ((0, pad_t), (0, 0), (0, 0), (0, 0)))
+    qb = qb.reshape(num_q_blocks, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    kv_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
+
+    def visit_sequence(state):
+        j, m, denom, acc = state
+        s = first + j  # [blocks]
+        active = s <= last
+        in_seq = (tok_seq == s[:, None]) & active[:, None]  # [blocks, block_q]
+        visible = jnp.where(in_seq, tok_visible, 0)
+        num_kv = (jnp.max(visible) + block_tokens - 1) // block_tokens
+        block_pages_of = pages_of[jnp.clip(s, 0, num_seqs_padded - 1)]  # [blocks, P']
+
+        def visit_kv_block(inner):
+            i, m, denom, acc = inner
+            pages = lax.dynamic_slice_in_dim(block_pages_of, i * block_pages, block_pages, axis=1)
+            shape = (num_q_blocks, block_tokens, num_kv_heads, head_dim)
+            k = k_pages[pages].reshape(shape).astype(jnp.float32)
+            v = v_pages[pages].reshape(shape).astype(jnp.float32)
+            scores = jnp.einsum("bkqgd,bnkd->bkqgn", qb, k)
+            mask = (i * block_tokens + kv_offsets < visible[..., None])[:, None, :, None, :]
+            return (i + 1, *_online_softmax_step(m, denom, acc, scores, mask, v, "bkqgn,bnkd->bkqgd"))
+
+        _, m, denom, acc = lax.while_loop(lambda c: c[0] < num_kv, visit_kv_block, (jnp.int32(0), m, denom, acc))
+        return j + 1, m, denom, acc
+
+    stats = (num_q_blocks, num_kv_heads, block_q, group)
+    init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, head_dim), jnp.float32))
+    _, _, denom, acc = lax.while_loop(lambda s: s[0] < span, visit_sequence, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(padded, num_kv_heads, group, head_dim)
+    return out[:num_tokens]
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
+    md: AttentionMetadata,
+    *,
+    sm_scale: float | None = None,
+    block_q: int = DEFAULT_XLA_BLOCK_Q,
+    kv_block_tokens: int = DEFAULT_XLA_KV_BLOCK_TOKENS,
+) -> jax.Array:  # [T, num_heads, head_dim]
+    """The reference's contract and math, with prefill KV gathered once per query block: the CPU path.
+
+    Decodes (the first `num_decodes` tokens) take the reference's per-token gather, restricted to the
+    first S tokens; prefill tokens go through `_prefill_attention`. Each token belongs to exactly one part
+    and the other gives it 0. All loop bounds are data: a new decode/prefill mix compiles nothing.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    block_pages = max(1, kv_block_tokens // page_size)
+    block_q = max(1, min(block_q, num_tokens))
+
+    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    num_decode_slots = min(md.kv_lens.shape[0], num_tokens)
+    decode = _decode_attention(qg[:num_decode_slots], k_pages, v_pages, md, block_pages=block_pages)
+    prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages)
+    out = prefill.at[:num_decode_slots].add(decode)  # disjoint: each part gives the other's tokens 0
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
