@@ -3,7 +3,9 @@
 Every choice returns a function with the reference's signature `(q, k_pages, v_pages, md) -> out`, so the
 model never learns which one it got, and each is safe to call inside `jax.jit`.
 
-- "xla": the pure-JAX reference (`ragged_paged_attention_reference`), the CPU path.
+- "xla": `ragged_paged_attention_xla`, pure JAX, the CPU path: decodes gather their pages per token,
+  prefill tokens gather each sequence's pages once per query block. `ragged_paged_attention_reference`
+  (every token gathers its own pages) stays the simple correctness reference, selected by no flag.
 - "pallas": the Pallas kernel. On a GPU it is compiled through the Triton lowering, selected explicitly
   with `pltriton.CompilerParams` on CUDA and ROCm alike: Mosaic GPU (the default Pallas GPU lowering)
   refuses ROCm, and the kernel is written for Triton (scalar metadata loads, gathered page loads).
@@ -18,11 +20,12 @@ import functools
 from collections.abc import Callable
 
 import jax
+
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
-    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
 )
 
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
@@ -52,7 +55,7 @@ def resolve_backend(backend: str) -> str:
 def select_attention(backend: str, *, interpret: bool | None = None) -> AttentionFn:
     """The attention function for `--attention-backend`; `interpret=None` means "only off a GPU"."""
     if resolve_backend(backend) == "xla":
-        return ragged_paged_attention_reference
+        return ragged_paged_attention_xla
     on_gpu = jax.default_backend() == "gpu"
     interpret = (not on_gpu) if interpret is None else interpret
     launch = ROCM_LAUNCH if on_gpu and not interpret and is_rocm() else {}

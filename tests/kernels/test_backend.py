@@ -7,20 +7,21 @@ from types import SimpleNamespace
 
 import jax
 import pytest
+
 from jaxcpp.kernels import backend
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
-    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
 )
 
 ON_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the choice off a GPU")
 
 
 @ON_CPU
-def test_auto_and_xla_pick_the_reference_on_cpu():
-    assert backend.select_attention("auto") is ragged_paged_attention_reference
-    assert backend.select_attention("xla") is ragged_paged_attention_reference
+def test_auto_and_xla_pick_the_xla_path_on_cpu():
+    assert backend.select_attention("auto") is ragged_paged_attention_xla
+    assert backend.select_attention("xla") is ragged_paged_attention_xla
 
 
 @ON_CPU
