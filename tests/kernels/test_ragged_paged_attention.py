@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxcpp.kernels.backend import select_attention
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.kernels.ragged_paged_attention import (
