@@ -1,6 +1,6 @@
 """Host overhead of the pipeline executor per micro-batch, and the cost of its timing probes.
 
-    .venv/bin/python benchmarks/pipeline_overhead.py [--steps 200] [--out docs/benchmarks_pipeline.md]
+    .venv/bin/python benchmarks/pipeline_overhead.py [--steps 200] [--out table.md]
 
 XLA:CPU does not speed up work spread over several devices of one process (they share one thread
 pool), so a pipeline's wall-clock speed-up cannot be shown in-process on CPU. What can be measured is

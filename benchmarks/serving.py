@@ -14,7 +14,7 @@ token timestamps, as JSON.
 the ITL-over-time plot.
 
     python benchmarks/serving.py run --target 127.0.0.1:50051 --num-prompts 200 --request-rate 8
-    python benchmarks/serving.py sweep --budgets 64,128,256 --out docs/benchmarks_serving.md
+    python benchmarks/serving.py sweep --budgets 64,128,256 --out sweep.md
 """
 
 from __future__ import annotations

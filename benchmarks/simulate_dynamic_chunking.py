@@ -1,6 +1,6 @@
 """Simulated TTFT of fixed vs dynamic chunking on a pipeline, next to ATOM's reported gains.
 
-    .venv/bin/python benchmarks/simulate_dynamic_chunking.py [--output docs/benchmarks_dynamic_chunking.md]
+    .venv/bin/python benchmarks/simulate_dynamic_chunking.py [--output table.md]
 
 Prompts of 128K and 256K tokens, PP 2, 4 and 8, concurrency 1 and 4 (closed loop: each client sends
 its next prompt once the previous one's answer is done), fixed chunks of 8K/16K/32K against
