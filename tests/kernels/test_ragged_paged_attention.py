@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ragged_batch import ragged_batch
 
 from jaxcpp.kernels.backend import select_attention
-from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -35,36 +35,9 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
 def make_batch(mix: str, *, page_size: int, group: int, head_dim: int, dtype, seed: int = 0):
-    """Random q and pages plus the metadata of `mix`, pages handed out in shuffled order (page 0 unused)."""
-    rng = np.random.default_rng(seed)
-    q_lens, prefixes = MIXES[mix]
-    pages_per_seq = MAX_KV_LEN // page_size
-    num_pages = 1 + NUM_SEQS * pages_per_seq
-    free = list(rng.permutation(np.arange(1, num_pages)))
-    kv_lens = np.zeros(NUM_SEQS, np.int32)
-    page_indices = np.zeros((NUM_SEQS, pages_per_seq), np.int32)
-    positions = np.zeros(NUM_TOKENS, np.int32)
-    slot_mapping = np.zeros(NUM_TOKENS, np.int32)
-    cu_q_lens = np.zeros(NUM_SEQS + 1, np.int32)
-    for s, (q_len, prefix) in enumerate(zip(q_lens, prefixes, strict=True)):
-        kv_lens[s] = prefix + q_len
-        n = -(-kv_lens[s] // page_size)
-        page_indices[s, :n] = [free.pop() for _ in range(n)]
-        start = cu_q_lens[s]
-        cu_q_lens[s + 1] = start + q_len
-        pos = np.arange(prefix, prefix + q_len)
-        positions[start:start + q_len] = pos
-        slot_mapping[start:start + q_len] = page_indices[s, pos // page_size] * page_size + pos % page_size
-    cu_q_lens[len(q_lens) + 1:] = cu_q_lens[len(q_lens)]
-    md = AttentionMetadata(
-        positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slot_mapping),
-        cu_q_lens=jnp.asarray(cu_q_lens), kv_lens=jnp.asarray(kv_lens),
-        page_indices=jnp.asarray(page_indices), num_seqs=jnp.int32(len(q_lens)),
-        num_decodes=jnp.int32(sum(n == 1 for n in q_lens)),
-    )
-    q = rng.standard_normal((NUM_TOKENS, NUM_KV_HEADS * group, head_dim))
-    pages = rng.standard_normal((2, num_pages, page_size, NUM_KV_HEADS, head_dim))
-    return jnp.asarray(q, dtype), jnp.asarray(pages[0], dtype), jnp.asarray(pages[1], dtype), md
+    return ragged_batch(*MIXES[mix], num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, max_kv_len=MAX_KV_LEN,
+                        num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, page_size=page_size, group=group,
+                        dtype=dtype, seed=seed)
 
 
 def dense_attention(q, k_pages, v_pages, md) -> np.ndarray:
