@@ -198,8 +198,14 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
                              seq.is_finished, seq.finish_reason, seq.metrics,
-                             self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else "",
+                             self._final_text(seq),
                              logits=seq.logits or None)
+
+    def _final_text(self, seq: Sequence) -> str:
+        """Detokenize once, at the end; streaming callers use `IncrementalDetokenizer` per step."""
+        if not seq.is_finished or self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids)
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

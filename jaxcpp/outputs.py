@@ -32,7 +32,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort"; None while running
     metrics: RequestMetrics
-    text: str = ""                        # detokenized token_ids
+    text: str = ""                        # detokenized token_ids, once finished (stream with IncrementalDetokenizer)
     logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
 
 

@@ -57,10 +57,13 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without concatenating the two (decodes are hot)."""
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
     def pages_needed(self, num_new_tokens: int, page_size: int) -> int:
         """More pages this sequence needs before `num_new_tokens` more tokens can be written."""
