@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from jaxcpp.buckets import token_buckets
 from jaxcpp.config import ConfigError, EngineConfig
@@ -20,12 +20,10 @@ from jaxcpp.kernels.backend import select_attention
 from jaxcpp.models.checkpoint import resolve_model
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.executor import Executor, SingleDeviceExecutor
-from jaxcpp.runtime.model_runner import ModelRunner, cast_params
+from jaxcpp.runtime.model_runner import ModelRunner
 from jaxcpp.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclass(frozen=True)
@@ -56,25 +54,20 @@ def enable_compilation_cache() -> None:
 
 def load_model(config: EngineConfig) -> LoadedModel:
     enable_compilation_cache()
-    model_config, params, tokenizer = resolve_model(config.model.model)
-    dtype_name = _dtype_name(config.model.dtype, params)
-    params = cast_params(params, _DTYPES[dtype_name])
+    model_config, params, tokenizer = resolve_model(config.model.model, config.model.dtype)
+    # Host copies: staging places them, so no full copy lingers on device 0.
+    params = jax.tree_util.tree_map(np.asarray, params)
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
     max_model_len = config.model.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
                           f"{model_config.max_position_embeddings}")
     page_size = config.cache.block_size
     pages_per_seq = -(-max_model_len // page_size)
-    num_pages = _num_pages(config, model_config, pages_per_seq, jnp.dtype(_DTYPES[dtype_name]).itemsize)
+    num_pages = _num_pages(config, model_config, pages_per_seq, dtype.itemsize)
     buckets = token_buckets(config.scheduler.max_num_batched_tokens, page_size)
-    return LoadedModel(config.model.model, model_config, params, tokenizer, dtype_name, max_model_len,
+    return LoadedModel(config.model.model, model_config, params, tokenizer, str(dtype), max_model_len,
                        pages_per_seq, num_pages, buckets)
-
-
-def _dtype_name(flag: str, params: Any) -> str:
-    if flag != "auto":
-        return flag
-    return str(jax.tree_util.tree_leaves(params)[0].dtype)
 
 
 def _num_pages(config: EngineConfig, model: LlamaConfig, pages_per_seq: int, itemsize: int) -> int:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxcpp.buckets import seq_bucket
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.runtime import compile_guard
@@ -28,16 +27,8 @@ class StepOutput(NamedTuple):
     logits: jax.Array  # [S, V] float32: kept on the device unless someone asks for them
 
 
-def attention_metadata(batch: StepInput | dict[str, Any]) -> AttentionMetadata:
-    get = batch.__getitem__ if isinstance(batch, dict) else lambda k: getattr(batch, k)
-    return AttentionMetadata(*(get(name) for name in AttentionMetadata._fields))
-
-
-def to_device(step: StepInput, device: Any = None, keys: Collection[str] | None = None
-              ) -> dict[str, jax.Array]:
-    """A step's host arrays (all, or those named in `keys`) in one transfer; `device` may be a Sharding."""
-    arrays = step.__dict__ if keys is None else {k: getattr(step, k) for k in keys}
-    return jax.device_put(dict(arrays), device)
+def attention_metadata(batch: dict[str, jax.Array]) -> AttentionMetadata:
+    return AttentionMetadata(*(batch[name] for name in AttentionMetadata._fields))
 
 
 SAMPLING_KEYS = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps")
@@ -53,7 +44,7 @@ def logits_and_sample(params: Any, hidden: jax.Array, batch: dict[str, jax.Array
 
 
 def dummy_step(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
-    """An all-padding batch of one bucket's shape, for warm-up compiles."""
+    """An all-padding batch of one bucket's shape (`num_seqs` = its sequence bucket), for warm-up compiles."""
     z = np.zeros
     return StepInput(z(num_tokens, np.int32), z(num_tokens, np.int32), z(num_tokens, np.int32),
                      z(num_seqs + 1, np.int32), z(num_seqs, np.int32), z((num_seqs, pages_per_seq), np.int32),
@@ -84,7 +75,8 @@ class ModelRunner:
 
     def execute(self, step: StepInput) -> StepOutput:
         """Dispatch one step; returns at once with device arrays (JAX dispatches asynchronously)."""
-        out, self.kv = self._step(self.params, self.kv, to_device(step, self.device))
+        batch = jax.device_put(dict(step.__dict__), self.device)  # every host array in one transfer
+        out, self.kv = self._step(self.params, self.kv, batch)
         return out
 
     def warmup(self, token_buckets: list[int], max_num_seqs: int, pages_per_seq: int) -> float:
@@ -93,17 +85,8 @@ class ModelRunner:
         start = time.perf_counter()
         for i, num_tokens in enumerate(token_buckets, 1):
             t0 = time.perf_counter()
-            step = dummy_step(num_tokens, min(num_tokens, max_num_seqs), pages_per_seq)
+            step = dummy_step(num_tokens, seq_bucket(num_tokens, max_num_seqs), pages_per_seq)
             jax.block_until_ready(self.execute(step))
             log.info("compiled bucket %d/%d: %d tokens (%.1fs)", i, len(token_buckets), num_tokens,
                      time.perf_counter() - t0)
-        # Host-side helpers that touch device arrays must be warmed too.
-        np.asarray(self.execute(dummy_step(token_buckets[0], min(token_buckets[0], max_num_seqs),
-                                           pages_per_seq)).tokens)
         return time.perf_counter() - start
-
-
-def cast_params(params: Any, dtype: Any) -> Any:
-    """Cast floating params on the host, so no full copy lands on device 0 before staging places them."""
-    return jax.tree_util.tree_map(
-        lambda x: np.asarray(x).astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x), params)
