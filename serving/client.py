@@ -119,38 +119,35 @@ def _server_stats(msg: pb.GetServerStatsResponse) -> ServerStats:
                        uptime_s=msg.uptime_s, dynamic_chunking_labels=dict(msg.dynamic_chunking.labels))
 
 
-class _Connection:
-    """Channel settings shared by both clients."""
+class _ClientBase:
+    """Channel, metadata and stubs shared by both clients; `_grpc` opens the channel (grpc or grpc.aio)."""
 
-    def __init__(self, target: str, api_key: str | None, tls: bool,
-                 root_certificates: bytes | str | Path | None, server_name: str | None,
-                 max_message_bytes: int) -> None:
-        self.target = target
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self.options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
-                                               ("grpc.max_send_message_length", max_message_bytes)]
-        if server_name:
-            self.options.append(("grpc.ssl_target_name_override", server_name))
-        self.credentials: grpc.ChannelCredentials | None = None
-        if tls or root_certificates is not None:
-            roots = Path(root_certificates).read_bytes() if isinstance(root_certificates, str | Path) \
-                else root_certificates
-            self.credentials = grpc.ssl_channel_credentials(root_certificates=roots)
-
-
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; None: no deadline."""
+    _grpc: Any
 
     def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, tls: bool = False,
                  root_certificates: bytes | str | Path | None = None, server_name: str | None = None,
                  max_message_bytes: int = 4 * 1024 * 1024, timeout: float | None = None) -> None:
-        conn = _Connection(target, api_key, tls, root_certificates, server_name, max_message_bytes)
-        self._metadata = conn.metadata
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._timeout = timeout
-        self.channel = grpc.secure_channel(target, conn.credentials, conn.options) if conn.credentials \
-            else grpc.insecure_channel(target, conn.options)
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
+                                          ("grpc.max_send_message_length", max_message_bytes)]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if tls or root_certificates is not None:
+            roots = Path(root_certificates).read_bytes() if isinstance(root_certificates, str | Path) \
+                else root_certificates
+            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+            self.channel = self._grpc.secure_channel(target, credentials, options)
+        else:
+            self.channel = self._grpc.insecure_channel(target, options)
         self._stub = pb_grpc.JaxcppServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+
+
+class Client(_ClientBase):
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; None: no deadline."""
+
+    _grpc = grpc
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the channel is connected (raises grpc.FutureTimeoutError)."""
@@ -196,19 +193,10 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client with the same methods as `Client` (awaitables; `stream` is an async iterator)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, tls: bool = False,
-                 root_certificates: bytes | str | Path | None = None, server_name: str | None = None,
-                 max_message_bytes: int = 4 * 1024 * 1024, timeout: float | None = None) -> None:
-        conn = _Connection(target, api_key, tls, root_certificates, server_name, max_message_bytes)
-        self._metadata = conn.metadata
-        self._timeout = timeout
-        self.channel = grpc.aio.secure_channel(target, conn.credentials, conn.options) if conn.credentials \
-            else grpc.aio.insecure_channel(target, conn.options)
-        self._stub = pb_grpc.JaxcppServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+    _grpc = grpc.aio
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         import asyncio
