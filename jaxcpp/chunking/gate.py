@@ -9,8 +9,6 @@ and prefix-rebuild overhead; the 16-step memory keeps sizing from flapping as re
 
 from __future__ import annotations
 
-from collections import deque
-
 GATE_WINDOW_STEPS = 16
 
 
@@ -20,21 +18,22 @@ class SolePrefillGate:
     def __init__(self, window: int = GATE_WINDOW_STEPS) -> None:
         if window < 1:
             raise ValueError(f"gate window must be >= 1, got {window}")
-        self._recent: deque[int] = deque(maxlen=window)
+        self._window = window
+        # Only the distance to the last busy step matters; steps before the first observation count as
+        # quiet (an idle engine has no other prefills). Capped at the window.
+        self._quiet_steps = window
 
     def observe(self, num_prefill_sources: int) -> None:
         """Record one scheduler step (call before sizing that step's chunks)."""
         if num_prefill_sources < 0:
             raise ValueError(f"num_prefill_sources must be >= 0, got {num_prefill_sources}")
-        self._recent.append(num_prefill_sources)
+        self._quiet_steps = 0 if num_prefill_sources > 1 else min(self._quiet_steps + 1, self._window)
 
     @property
     def is_open(self) -> bool:
-        # Steps before the first observation count as quiet: an idle engine has no other prefills.
-        return all(n <= 1 for n in self._recent)
+        return self._quiet_steps >= self._window
 
     @property
     def steps_until_open(self) -> int:
         """Quiet steps still needed before the gate opens (0 when open)."""
-        busy = [i for i, n in enumerate(self._recent) if n > 1]
-        return 0 if not busy else busy[-1] + 1 + (self._recent.maxlen or 0) - len(self._recent)
+        return self._window - self._quiet_steps
