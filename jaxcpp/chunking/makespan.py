@@ -19,20 +19,14 @@ import numpy as np
 from jaxcpp.chunking.latency_model import LatencyModel
 
 
-def chunk_times(model: LatencyModel, chunks: Sequence[int], start: int = 0) -> np.ndarray:
-    """Predicted latency of each chunk of a plan, chunk i starting after start + Σ_{k<i} x_k tokens."""
+def chunk_times(model: LatencyModel, chunks: Sequence[int] | np.ndarray, start: int = 0) -> np.ndarray:
+    """Predicted latency of each chunk, chunk i starting after start + Σ_{k<i} x_k tokens.
+
+    `chunks` is one plan or a zero-padded matrix of plans (one per row); padding chunks take no time.
+    """
     x = np.asarray(chunks, dtype=np.float64)
-    prefix = start + np.concatenate([[0.0], np.cumsum(x)[:-1]]) if len(x) else x
-    return np.asarray(model.predict(prefix, x), dtype=np.float64)
-
-
-def plans_time_matrix(model: LatencyModel, plans: Sequence[Sequence[int]], start: int = 0) -> np.ndarray:
-    """[num_plans, longest plan] chunk times, zero-padded."""
-    width = max((len(p) for p in plans), default=0)
-    times = np.zeros((len(plans), max(width, 1)))
-    for row, plan in enumerate(plans):
-        times[row, :len(plan)] = chunk_times(model, plan, start)
-    return times
+    prefix = start + np.cumsum(x, axis=-1) - x
+    return np.where(x > 0, model.predict(prefix, x), 0.0)
 
 
 def makespan(times: np.ndarray, pipeline_parallel_size: int,

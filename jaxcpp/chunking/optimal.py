@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.chunking.makespan import makespan
+from jaxcpp.chunking.makespan import chunk_times, makespan
 from jaxcpp.chunking.planner import ChunkSettings, chunk_sizes_between, plan_chunks
 
 _GRID_POINTS = 160
@@ -134,10 +134,7 @@ def fixed_plans(prompt_len: int, start: int, sizes: np.ndarray) -> np.ndarray:
 
 def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start: int = 0) -> np.ndarray:
     """Predicted makespan of each row of a zero-padded plan matrix."""
-    x = plans.astype(np.float64)
-    prefix = start + np.cumsum(x, axis=1) - x
-    times = np.where(x > 0, model.predict(prefix, x), 0.0)
-    return makespan(times, settings.pipeline_parallel_size, settings.stage_weights)
+    return makespan(chunk_times(model, plans, start), settings.pipeline_parallel_size, settings.stage_weights)
 
 
 def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, start: int = 0) -> list[int]:
@@ -150,8 +147,7 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
         return [todo]
     fixed = fixed_plans(prompt_len, start, sizes)
     equal = np.array([plan_chunks("equal-latency", prompt_len, settings, model, start)], dtype=np.int64)
-    x = fixed.astype(np.float64)
-    fixed_times = np.where(x > 0, model.predict(start + np.cumsum(x, axis=1) - x, x), 0.0)
+    fixed_times = chunk_times(model, fixed, start)
     tau_lo = float(model.predict(float(start), float(sizes[0])))
     tau_hi = max(float(fixed_times.max()), tau_lo)
     taus = np.unique(np.concatenate([
