@@ -8,6 +8,7 @@ when the pipe is full or there is nothing new to send. Not thread-safe: one thre
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -101,7 +102,7 @@ class LLMEngine:
                                       f"prompt must fit --max-num-batched-tokens {budget}")
 
     def abort_request(self, request_id: str) -> None:
-        seq = self._requests.pop(request_id, None)
+        seq = self._requests.get(request_id)
         if seq is None:
             return
         self._retire(seq, "abort", time.monotonic())
@@ -223,7 +224,7 @@ class LLMEngine:
         if self.chunking is None:
             return {"state": "off"}
         model = self.chunking.model
-        coeffs = {} if model is None else {"a": model.a, "b": model.b, "c": model.c, "gamma": model.gamma}
+        coeffs = {} if model is None else dataclasses.asdict(model)
         return {"state": self.chunking.state, "policy": self.chunking.policy, **coeffs}
 
     def model_info(self) -> ModelInfo:

@@ -151,19 +151,17 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(seq, start, num_tokens, samples))
 
     def _running_prefills(self) -> list[Sequence]:
-        return [s for s in self.running if not s.awaiting_token and not s.is_decode and s.num_remaining > 0]
+        return [s for s in self.running if s.is_prefilling and not s.awaiting_token]
 
     def _num_prefill_sources(self) -> int:
         """Requests that could take a prompt chunk now: partial prefills and waiting requests."""
-        prefilling = sum(1 for s in self.running
-                         if s.num_remaining > 1 or s.num_computed_tokens < len(s.prompt_token_ids))
-        return prefilling + len(self.waiting)
+        return sum(1 for s in self.running if s.is_prefilling) + len(self.waiting)
 
     # ---- preemption by recompute ---------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Free pages for `seq` by preempting the newest idle sequences; False if `seq` was the victim."""
-        scheduled = {id(c.seq) for c in out.chunks}
         while not self.allocator.can_allocate(seq.pages_needed(num_tokens, self.page_size)):
+            scheduled = {id(c.seq) for c in out.chunks}  # only when pages ran out: decodes are the hot path
             victim = next((s for s in reversed(self.running)
                            if id(s) not in scheduled and not s.awaiting_token), None)
             if victim is None:

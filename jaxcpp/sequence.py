@@ -53,6 +53,11 @@ class Sequence:
         return bool(self.output_token_ids) and self.num_remaining == 1
 
     @property
+    def is_prefilling(self) -> bool:
+        """Prompt tokens (or, after a preemption, earlier outputs) still to go through a forward."""
+        return self.num_remaining > 0 and not self.is_decode
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
