@@ -19,6 +19,8 @@ installs them. On small prompts the result is within 1% of an exhaustive search 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
@@ -66,48 +68,49 @@ def _reach_backward(model: LatencyModel, end: np.ndarray, tau: np.ndarray) -> np
     return np.where(slack < 0, -1.0, root)
 
 
-def fill_front(model: LatencyModel, prompt_len: int, start: int, sizes: np.ndarray,
-               taus: np.ndarray) -> np.ndarray:
-    """[len(taus), K] plans: each chunk as large as t <= τ allows; rows of infeasible τ dropped."""
-    prefix = np.full(len(taus), float(start))
-    alive = np.ones(len(taus), dtype=bool)
+def _fill(num_rows: int, todo: int, next_chunk: Callable[[np.ndarray, int], np.ndarray]) -> np.ndarray:
+    """[num_rows, K] greedy plans of `todo` tokens, one per row; rows that get stuck are dropped.
+
+    `next_chunk(left, column)` gives every row's next chunk with `left` tokens still to place; a row
+    whose chunk comes out <= 0 while tokens are left is stuck.
+    """
+    left = np.full(num_rows, float(todo))
+    alive = np.ones(num_rows, dtype=bool)
     columns: list[np.ndarray] = []
     while True:
-        left = prompt_len - prefix
         active = alive & (left > 0)
         if not active.any():
             break
-        reach = _reach_forward(model, prefix, taus)
-        chunk = np.where((left <= reach) & (left <= sizes[-1]), left, _snap(reach, sizes))
+        chunk = next_chunk(left, len(columns))
         alive &= ~(active & (chunk <= 0))
         chunk = np.where(active & alive, chunk, 0)
         columns.append(chunk)
-        prefix = prefix + chunk
+        left = left - chunk
     return np.stack(columns, axis=1).astype(np.int64)[alive] if columns else np.zeros((0, 1), np.int64)
+
+
+def fill_front(model: LatencyModel, prompt_len: int, start: int, sizes: np.ndarray,
+               taus: np.ndarray) -> np.ndarray:
+    """[len(taus), K] plans: each chunk as large as t <= τ allows; rows of infeasible τ dropped."""
+
+    def next_chunk(left: np.ndarray, column: int) -> np.ndarray:
+        reach = _reach_forward(model, prompt_len - left, taus)
+        return np.where((left <= reach) & (left <= sizes[-1]), left, _snap(reach, sizes))
+
+    return _fill(len(taus), prompt_len - start, next_chunk)
 
 
 def fill_back(model: LatencyModel, prompt_len: int, start: int, sizes: np.ndarray,
               taus: np.ndarray) -> np.ndarray:
     """[len(taus), K] plans filled from the end; the leftover first chunk is snapped UP to a size and
     the difference taken from the last chunk (the remainder); rows that cannot be fixed are dropped."""
-    end = np.full(len(taus), float(prompt_len))
-    alive = np.ones(len(taus), dtype=bool)
-    columns: list[np.ndarray] = []
-    while True:
-        left = end - start
-        active = alive & (left > 0)
-        if not active.any():
-            break
-        reach = np.minimum(_reach_backward(model, end, taus), sizes[-1])
-        inner = np.floor(reach + 1e-6) if not columns else _snap(reach, sizes)  # the remainder: any size
-        chunk = np.where(left <= reach, left, inner)
-        alive &= ~(active & (chunk <= 0))
-        chunk = np.where(active & alive, chunk, 0)
-        columns.append(chunk)
-        end = end - chunk
-    if not columns:
-        return np.zeros((0, 1), np.int64)
-    backwards = np.stack(columns, axis=1).astype(np.int64)[alive]
+
+    def next_chunk(left: np.ndarray, column: int) -> np.ndarray:
+        reach = np.minimum(_reach_backward(model, start + left, taus), sizes[-1])
+        inner = np.floor(reach + 1e-6) if column == 0 else _snap(reach, sizes)  # the remainder: any size
+        return np.where(left <= reach, left, inner)
+
+    backwards = _fill(len(taus), prompt_len - start, next_chunk)
     count = (backwards > 0).sum(axis=1)
     plans = np.zeros_like(backwards)
     for row, (chunks, n) in enumerate(zip(backwards, count, strict=True)):
