@@ -1,9 +1,10 @@
 """Chunk sizing: the per-step equal-latency solver (ATOM's rule), fixed chunks, and one entry point.
 
-How the pieces move: the scheduler (through `controller.py`) asks `next_chunk_size` for the chunk of the
-sole prefilling request at every step; `plan_chunks` replays that call until the prompt is done, which is
-what the CLI, the simulator and the tests use. The `optimal` policy plans the whole prompt at once in
-`optimal.py` and is reached through the same two functions.
+How the pieces move: `next_chunk_size` is the chunk of the sole prefilling request at one step;
+`plan_chunks` replays it until the prompt is done, which is what the CLI, the simulator and the tests
+use. The scheduler's controller (`controller.py`) calls `equal_latency_chunk` itself, to count where
+each chunk came from, and caches `optimal` plans. The `optimal` policy plans the whole prompt at once
+in `optimal.py` and is reached through the same two functions.
 
 Every chunk the solver picks is snapped DOWN to an allowed size: the largest compiled token bucket not
 above it when the engine passes its buckets, else a multiple of the alignment max(block_size, 64).
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxcpp.chunking.latency_model import LatencyModel
@@ -185,7 +185,3 @@ def chunk_sizes_between(low: int, high: int, settings: ChunkSettings) -> list[in
     step = settings.alignment
     first = max(step, -(-low // step) * step)
     return list(range(first, high + 1, step))
-
-
-def plan_summary(chunks: Sequence[int]) -> str:
-    return " ".join(str(c) for c in chunks)
