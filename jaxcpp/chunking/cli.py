@@ -59,9 +59,7 @@ def _entry(name: str, chunks: list[int], model: LatencyModel, settings: ChunkSet
             "ttft": predicted_ttft(model, chunks, settings.pipeline_parallel_size, settings.stage_weights)}
 
 
-def build_report(args: argparse.Namespace) -> dict[str, Any]:
-    model = LatencyModel.load(args.model_file) if args.model_file else LatencyModel.parse_coeffs(args.coeffs)
-    settings = _settings(args)
+def build_report(args: argparse.Namespace, model: LatencyModel, settings: ChunkSettings) -> dict[str, Any]:
     budget = settings.budget
     plans = [_entry(args.policy, plan_chunks(args.policy, args.prompt_len, settings, model), model, settings)]
     for size in dict.fromkeys(max(budget // d, 1) for d in (1, 2, 4)):
@@ -92,7 +90,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        report = build_report(args)
+        model = LatencyModel.load(args.model_file) if args.model_file else LatencyModel.parse_coeffs(args.coeffs)
+        settings = _settings(args)
+        report = build_report(args, model, settings)
     except (OSError, ValueError) as err:
         print(f"chunk-plan: {err}", file=sys.stderr)
         return 2
@@ -101,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
         from jaxcpp.chunking.plot import plot_timelines
         from jaxcpp.chunking.simulator import Pipeline, simulate_plan
 
-        model = LatencyModel(**{k: report["model"][k] for k in ("a", "b", "c", "gamma")})
-        settings = _settings(args)
         pipeline = Pipeline(model, settings.pipeline_parallel_size, settings.stage_weights)
         runs = {plan["name"]: simulate_plan(pipeline, plan["chunks"]) for plan in report["plans"][1::-1]}
         title = f"prompt {args.prompt_len}, PP {settings.pipeline_parallel_size}"
