@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import chunk_times, predicted_ttft
-from jaxcpp.chunking.planner import ChunkSettings, plan_chunks, plan_fixed
+from jaxcpp.chunking.planner import ChunkSettings, plan_chunks, plan_fixed, stage_weights_from_layers
 
 
 def add_parser(subparsers: Any) -> None:
@@ -46,8 +46,7 @@ def add_parser(subparsers: Any) -> None:
 def _settings(args: argparse.Namespace) -> ChunkSettings:
     weights = None
     if args.pp_partition:
-        layers = [int(v) for v in args.pp_partition.split(",")]
-        weights = tuple(n / max(layers) for n in layers)
+        weights = stage_weights_from_layers([int(v) for v in args.pp_partition.split(",")])
     return ChunkSettings(budget=args.max_num_batched_tokens, smooth_factor=args.smooth_factor,
                          min_chunk_size=args.min_chunk_size, block_size=args.block_size,
                          pipeline_parallel_size=args.pipeline_parallel_size, stage_weights=weights)

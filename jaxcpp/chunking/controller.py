@@ -36,7 +36,14 @@ from jaxcpp.chunking.fitting import Rejection, fit_startup
 from jaxcpp.chunking.gate import SolePrefillGate
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.optimal import plan_optimal
-from jaxcpp.chunking.planner import POLICIES, ChunkSettings, equal_latency_chunk, fit_budget, snap_down
+from jaxcpp.chunking.planner import (
+    POLICIES,
+    ChunkSettings,
+    equal_latency_chunk,
+    fit_budget,
+    snap_down,
+    stage_weights_from_layers,
+)
 
 if TYPE_CHECKING:
     from jaxcpp.config import EngineConfig
@@ -89,8 +96,7 @@ class DynamicChunkController:
         parallel, chunking = config.parallel, config.chunking
         weights = None
         if parallel.pp_partition is not None:
-            layers = parallel.partition_list()
-            weights = tuple(n / max(layers) for n in layers)
+            weights = stage_weights_from_layers(parallel.partition_list())
         settings = ChunkSettings(
             budget=config.scheduler.max_num_batched_tokens,
             smooth_factor=chunking.dynamic_chunking_smooth_factor,

@@ -52,6 +52,14 @@ class ChunkSettings:
         return max(self.block_size, 64)
 
 
+def stage_weights_from_layers(layers: list[int]) -> tuple[float, ...]:
+    """Per-stage weights for an uneven --pp-partition: layers / the largest stage's layers.
+
+    The latency model describes the slowest stage, so that stage weighs 1.
+    """
+    return tuple(n / max(layers) for n in layers)
+
+
 def snap_down(value: float, settings: ChunkSettings) -> int:
     """The largest allowed chunk size <= value, or 0 when there is none."""
     # Rounding slack: the root at L = 0 is the base itself, computed as 32767.999999999996 or so.
