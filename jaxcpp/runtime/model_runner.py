@@ -10,14 +10,14 @@ import time
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
 from jaxcpp.buckets import seq_bucket
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.sampler import sample
-from jaxcpp.step_input import StepInput
+from jaxcpp.scheduler import SchedulerOutput
+from jaxcpp.step_input import StepInput, StepShape, build_step_input
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,9 @@ def logits_and_sample(params: Any, hidden: jax.Array, batch: dict[str, jax.Array
 
 
 def dummy_step(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
-    """An all-padding batch of one bucket's shape (`num_seqs` = its sequence bucket), for warm-up compiles."""
-    z = np.zeros
-    return StepInput(z(num_tokens, np.int32), z(num_tokens, np.int32), z(num_tokens, np.int32),
-                     z(num_seqs + 1, np.int32), z(num_seqs, np.int32), z((num_seqs, pages_per_seq), np.int32),
-                     np.int32(0), np.int32(0), z(num_seqs, np.int32), z(num_seqs, np.float32),
-                     z(num_seqs, np.int32), np.ones(num_seqs, np.float32), z(num_seqs, np.uint32),
-                     z(num_seqs, np.int32))
+    """An all-padding batch of one bucket's shape (`num_seqs` = its sequence bucket), for warm-up compiles:
+    what an empty schedule pads to, so warm-up compiles exactly the programs real steps use."""
+    return build_step_input(SchedulerOutput(), StepShape([num_tokens], num_seqs, pages_per_seq, page_size=1))
 
 
 class ModelRunner:
