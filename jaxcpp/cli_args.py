@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any
 
-from jaxcpp.config import _SECTIONS, EngineConfig, ServerConfig
+from jaxcpp.config import ENGINE_SECTIONS, EngineConfig, ServerConfig
 
 
 def _base_type(annotation: Any) -> type:
@@ -37,7 +37,7 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for cls in _SECTIONS.values():
+    for cls in ENGINE_SECTIONS.values():
         add_config_args(parser, cls)
 
 
@@ -47,10 +47,7 @@ def _given(args: argparse.Namespace, config_cls: type) -> dict[str, Any]:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    kwargs: dict[str, Any] = {}
-    for cls in _SECTIONS.values():
-        kwargs.update(_given(args, cls))
-    return EngineConfig.from_kwargs(**kwargs)
+    return EngineConfig(**{name: cls(**_given(args, cls)) for name, cls in ENGINE_SECTIONS.items()})
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

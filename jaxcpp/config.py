@@ -160,16 +160,16 @@ class EngineConfig:
     @staticmethod
     def from_kwargs(**kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments named like the CLI flags (`max_num_batched_tokens=512`)."""
-        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-        owners = {fld.name: name for name, cls in _SECTIONS.items() for fld in dataclasses.fields(cls)}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_SECTIONS}
+        owners = {fld.name: name for name, cls in ENGINE_SECTIONS.items() for fld in dataclasses.fields(cls)}
         for key, value in kwargs.items():
             if key not in owners:
                 raise ConfigError(f"unknown engine option {key!r}")
             sections[owners[key]][key] = value
-        return EngineConfig(**{name: _SECTIONS[name](**vals) for name, vals in sections.items()})
+        return EngineConfig(**{name: ENGINE_SECTIONS[name](**vals) for name, vals in sections.items()})
 
 
-_SECTIONS: dict[str, type] = {
+ENGINE_SECTIONS: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "parallel": ParallelConfig, "chunking": ChunkingConfig,
 }
