@@ -85,8 +85,8 @@ def write_kv_pages(
     return k_pages, v_pages
 
 
-def token_layout(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For each token: its sequence, how many KV positions it may see (causal), and whether it is real."""
+def token_layout(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """For each token: its sequence and how many KV positions it may see (causal; padding tokens: 0)."""
     num_seqs_padded = md.kv_lens.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.searchsorted(md.cu_q_lens[1:], token, side="right").astype(jnp.int32)
@@ -96,7 +96,56 @@ def token_layout(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax
     # A query at offset i of a sequence whose new tokens end at kv_len sits at kv_len - q_len + i.
     q_pos = md.kv_lens[seq] - q_lens[seq] + (token - md.cu_q_lens[seq])
     kv_visible = jnp.where(is_real, q_pos + 1, 0)
-    return seq, kv_visible, is_real
+    return seq, kv_visible
+
+
+def _pad_pages(page_indices: jax.Array, block_pages: int) -> jax.Array:
+    """Pad a page table's columns with page 0 to a multiple of `block_pages` (never read unmasked)."""
+    return jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % block_pages)))
+
+
+def _online_softmax_step(m, denom, acc, scores, mask, v, contract: str):
+    """Fold one block of fp32 scores (masked entries: anything) into the running max, denominator, sum."""
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    correction = jnp.exp(m - m_new)  # rows this block leaves untouched keep m, so 1
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    denom = denom * correction + p.sum(axis=-1)
+    return m_new, denom, acc * correction[..., None] + jnp.einsum(contract, p, v)
+
+
+def _per_token_attention(qg, k_pages, v_pages, token_pages, kv_visible, *, block_pages: int):
+    """Every token gathers its own pages, block by block, only as far as the longest `kv_visible`.
+
+    qg: [N, kv_heads, group, head_dim] fp32, already scaled; token_pages: [N, P] each token's page
+    table; kv_visible: [N] KV positions each token sees (0: the token comes out 0).
+    """
+    n, num_kv_heads, group, head_dim = qg.shape
+    block_tokens = block_pages * k_pages.shape[1]
+    token_pages = _pad_pages(token_pages, block_pages)
+    num_blocks = (jnp.max(kv_visible) + block_tokens - 1) // block_tokens
+
+    def body(state):
+        i, m, denom, acc = state
+        pages = lax.dynamic_slice_in_dim(token_pages, i * block_pages, block_pages, axis=1)
+        k = k_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+        scores = jnp.einsum("tkgd,tnkd->tkgn", qg, k)
+        mask = (i * block_tokens + jnp.arange(block_tokens) < kv_visible[:, None])[:, None, None, :]
+        return (i + 1, *_online_softmax_step(m, denom, acc, scores, mask, v, "tkgn,tnkd->tkgd"))
+
+    stats = (n, num_kv_heads, group)
+    init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, head_dim), jnp.float32))
+    _, _, denom, acc = lax.while_loop(lambda s: s[0] < num_blocks, body, init)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [N, kv_heads, group, head_dim]
+
+
+def _scaled_groups(q: jax.Array, num_kv_heads: int, sm_scale: float | None) -> jax.Array:
+    """q [T, num_heads, head_dim] -> fp32 [T, kv_heads, group, head_dim], times the softmax scale."""
+    num_tokens, num_heads, head_dim = q.shape
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    return (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
 
 
 def ragged_paged_attention_reference(
@@ -111,51 +160,14 @@ def ragged_paged_attention_reference(
     """Online-softmax attention over KV blocks, looping only as far as the batch's longest context.
 
     Every token gathers its own sequence's pages, so the work is proportional to the KV each token
-    really sees, and the loop's trip count is data, not shape.
+    really sees, and the loop's trip count is data, not shape. Padding tokens see nothing: 0.
     """
-    num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    pages_per_block = max(1, kv_block_tokens // page_size)
-    block_tokens = pages_per_block * page_size
-
-    seq, kv_visible, is_real = token_layout(md, num_tokens)
-    token_pages = md.page_indices[seq]  # [T, P]
-    pad = (-token_pages.shape[1]) % pages_per_block
-    token_pages = jnp.pad(token_pages, ((0, 0), (0, pad)))
-    num_blocks = (jnp.max(kv_visible) + block_tokens - 1) // block_tokens
-
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
-
-    def body(state):
-        i, m, denom, acc = state
-        pages = jax.lax.dynamic_slice_in_dim(token_pages, i * pages_per_block, pages_per_block, axis=1)
-        k = k_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tnkd->tkgn", qg, k)
-        kv_pos = i * block_tokens + jnp.arange(block_tokens)
-        visible = (kv_pos[None, :] < kv_visible[:, None])[:, None, None, :]
-        s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen nothing yet
-        p = jnp.exp(s - m_safe[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        denom = denom * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgn,tnkd->tkgd", p, v)
-        return i + 1, m_new, denom, acc
-
-    stats_shape = (num_tokens, num_kv_heads, group)
-    init = (
-        jnp.int32(0),
-        jnp.full(stats_shape, -jnp.inf, jnp.float32),
-        jnp.zeros(stats_shape, jnp.float32),
-        jnp.zeros((*stats_shape, head_dim), jnp.float32),
-    )
-    _, _, denom, acc = jax.lax.while_loop(lambda s: s[0] < num_blocks, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = jnp.where(is_real[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    seq, kv_visible = token_layout(md, q.shape[0])
+    out = _per_token_attention(_scaled_groups(q, num_kv_heads, sm_scale), k_pages, v_pages,
+                               md.page_indices[seq], kv_visible,
+                               block_pages=max(1, kv_block_tokens // page_size))
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- kernel
@@ -321,8 +333,7 @@ def ragged_paged_attention(
     padded_tokens = num_q_blocks * block_q
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
-    page_indices = md.page_indices
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % pages_per_block)))
+    page_indices = _pad_pages(md.page_indices, pages_per_block)
     first_seq, last_seq = _block_seq_ranges(md, num_q_blocks, block_q)
 
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))  # noqa: E731
@@ -352,46 +363,6 @@ DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill par
 DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
 
 
-def _online_softmax_step(m, denom, acc, scores, mask, v, contract: str):
-    """Fold one block of fp32 scores (masked entries: anything) into the running max, denominator, sum."""
-    scores = jnp.where(mask, scores, MASK_VALUE)
-    m_new = jnp.maximum(m, scores.max(axis=-1))
-    correction = jnp.exp(m - m_new)  # rows this block leaves untouched keep m, so 1
-    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
-    denom = denom * correction + p.sum(axis=-1)
-    return m_new, denom, acc * correction[..., None] + jnp.einsum(contract, p, v)
-
-
-def _decode_attention(qg, k_pages, v_pages, md, *, block_pages: int):
-    """The first S tokens as decodes: each gathers its own sequence's pages (optimal at one token each).
-
-    qg: [N, kv_heads, group, head_dim] fp32, already scaled, N = min(S, T). Tokens >= num_decodes see
-    nothing and come out 0.
-    """
-    n, num_kv_heads, group, head_dim = qg.shape
-    page_size = k_pages.shape[1]
-    block_tokens = block_pages * page_size
-    token = jnp.arange(n, dtype=jnp.int32)
-    kv_visible = jnp.where(token < md.num_decodes, md.kv_lens[:n], 0)
-    pages_of = jnp.pad(md.page_indices[:n], ((0, 0), (0, -md.page_indices.shape[1] % block_pages)))
-    num_blocks = (jnp.max(kv_visible) + block_tokens - 1) // block_tokens
-
-    def body(state):
-        i, m, denom, acc = state
-        pages = lax.dynamic_slice_in_dim(pages_of, i * block_pages, block_pages, axis=1)
-        k = k_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-        scores = jnp.einsum("tkgd,tnkd->tkgn", qg, k)
-        mask = (i * block_tokens + jnp.arange(block_tokens) < kv_visible[:, None])[:, None, None, :]
-        return (i + 1, *_online_softmax_step(m, denom, acc, scores, mask, v, "tkgn,tnkd->tkgd"))
-
-    stats = (n, num_kv_heads, group)
-    init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros((*stats, head_dim), jnp.float32))
-    _, _, denom, acc = lax.while_loop(lambda s: s[0] < num_blocks, body, init)
-    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [N, kv_heads, group, head_dim]
-
-
 def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: int):
     """Prefill tokens in query blocks; each block gathers each sequence it touches ONCE for all its tokens.
 
@@ -407,7 +378,7 @@ def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: i
     num_q_blocks = -(-num_tokens // block_q)
     padded = num_q_blocks * block_q
 
-    seq, kv_visible, _ = token_layout(md, num_tokens)
+    seq, kv_visible = token_layout(md, num_tokens)
     prefill_start, num_real = md.cu_q_lens[md.num_decodes], md.cu_q_lens[md.num_seqs]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     kv_visible = jnp.where(token >= prefill_start, kv_visible, 0)  # decodes and padding see nothing
@@ -426,7 +397,7 @@ def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: i
     first, last = jnp.where(empty, 0, first), jnp.where(empty, -1, last)
     span = jnp.max(last - first + 1)
 
-    pages_of = jnp.pad(md.page_indices, ((0, 0), (0, -md.page_indices.shape[1] % block_pages)))
+    pages_of = _pad_pages(md.page_indices, block_pages)
     # [blocks, kv_heads, block_q, group, head_dim]: one batched matmul per block and KV head.
     qb = jnp.pad(qg, ((0, pad_t), (0, 0), (0, 0), (0, 0)))
     qb = qb.reshape(num_q_blocks, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
@@ -479,16 +450,17 @@ def ragged_paged_attention_xla(
     first S tokens; prefill tokens go through `_prefill_attention`. Each token belongs to exactly one part
     and the other gives it 0. All loop bounds are data: a new decode/prefill mix compiles nothing.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     _, page_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // num_kv_heads
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
     block_pages = max(1, kv_block_tokens // page_size)
     block_q = max(1, min(block_q, num_tokens))
 
-    qg = (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, group, head_dim)
-    num_decode_slots = min(md.kv_lens.shape[0], num_tokens)
-    decode = _decode_attention(qg[:num_decode_slots], k_pages, v_pages, md, block_pages=block_pages)
+    qg = _scaled_groups(q, num_kv_heads, sm_scale)
+    # Decodes: the first S tokens, each its own sequence (token i is sequence i); the rest see nothing.
+    n = min(md.kv_lens.shape[0], num_tokens)
+    kv_visible = jnp.where(jnp.arange(n) < md.num_decodes, md.kv_lens[:n], 0)
+    decode = _per_token_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible,
+                                  block_pages=block_pages)
     prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages)
-    out = prefill.at[:num_decode_slots].add(decode)  # disjoint: each part gives the other's tokens 0
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    out = prefill.at[:n].add(decode)  # disjoint: each part gives the other's tokens 0
+    return out.reshape(q.shape).astype(q.dtype)
