@@ -290,15 +290,18 @@ def check_block_sizes(
                                  f"pages_per_block={pages_per_block})")
 
 
-def _block_seq_ranges(md: AttentionMetadata, num_q_blocks: int, block_q: int) -> tuple[jax.Array, jax.Array]:
-    """First and last real sequence each query block touches (first > last for all-padding blocks)."""
-    num_real = md.cu_q_lens[md.num_seqs]
+def _block_seq_ranges(
+    md: AttentionMetadata, num_q_blocks: int, block_q: int, first_token: jax.Array | int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """First and last real sequence each query block touches among tokens >= `first_token`
+    (first > last for blocks with no such token)."""
     t0 = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
-    t_last = jnp.minimum(t0 + block_q, num_real) - 1
+    t_first = jnp.maximum(t0, first_token)
+    t_last = jnp.minimum(t0 + block_q, md.cu_q_lens[md.num_seqs]) - 1
     seq_ends = md.cu_q_lens[1:]
-    first = jnp.searchsorted(seq_ends, t0, side="right").astype(jnp.int32)
+    first = jnp.searchsorted(seq_ends, t_first, side="right").astype(jnp.int32)
     last = jnp.searchsorted(seq_ends, t_last, side="right").astype(jnp.int32)
-    empty = t0 >= num_real
+    empty = t_first > t_last
     return jnp.where(empty, 0, first), jnp.where(empty, -1, last)
 
 
@@ -379,22 +382,14 @@ def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: i
     padded = num_q_blocks * block_q
 
     seq, kv_visible = token_layout(md, num_tokens)
-    prefill_start, num_real = md.cu_q_lens[md.num_decodes], md.cu_q_lens[md.num_seqs]
+    prefill_start = md.cu_q_lens[md.num_decodes]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     kv_visible = jnp.where(token >= prefill_start, kv_visible, 0)  # decodes and padding see nothing
     pad_t = padded - num_tokens
     tok_seq = jnp.pad(seq, (0, pad_t), constant_values=-1).reshape(num_q_blocks, block_q)
     tok_visible = jnp.pad(kv_visible, (0, pad_t)).reshape(num_q_blocks, block_q)
 
-    # First and last prefill sequence of each block (first > last: no prefill token in the block).
-    t0 = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q
-    t_first = jnp.maximum(t0, prefill_start)
-    t_last = jnp.minimum(t0 + block_q, num_real) - 1
-    seq_ends = md.cu_q_lens[1:]
-    first = jnp.searchsorted(seq_ends, t_first, side="right").astype(jnp.int32)
-    last = jnp.searchsorted(seq_ends, t_last, side="right").astype(jnp.int32)
-    empty = t_first > t_last
-    first, last = jnp.where(empty, 0, first), jnp.where(empty, -1, last)
+    first, last = _block_seq_ranges(md, num_q_blocks, block_q, prefill_start)  # prefill sequences only
     span = jnp.max(last - first + 1)
 
     pages_of = _pad_pages(md.page_indices, block_pages)
