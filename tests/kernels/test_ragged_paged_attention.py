@@ -86,19 +86,14 @@ class KernelTests:
             err = max_error(out, reference(q, k_pages, v_pages, md))
             assert err <= TOLERANCE[dtype], f"{mix}: max error {err}"
 
+    # bf16: the slowest dozen (about 3 s each interpreted), marked slow; still part of `make test`.
+    @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)],
+                             ids=["fp32", "bf16"])
     @pytest.mark.parametrize("group", [1, 4, 8])
     @pytest.mark.parametrize("head_dim", [64, 128])
     @pytest.mark.parametrize("page_size", [16, 64])
-    def test_matches_reference_fp32(self, page_size, head_dim, group):
-        self.check_against_reference(page_size=page_size, head_dim=head_dim, group=group, dtype=jnp.float32,
-                                     block_q=triton_block_q(group), pages_per_block=32 // min(page_size, 32))
-
-    @pytest.mark.slow  # the slowest dozen (about 3 s each interpreted); still part of `make test`
-    @pytest.mark.parametrize("group", [1, 4, 8])
-    @pytest.mark.parametrize("head_dim", [64, 128])
-    @pytest.mark.parametrize("page_size", [16, 64])
-    def test_matches_reference_bf16(self, page_size, head_dim, group):
-        self.check_against_reference(page_size=page_size, head_dim=head_dim, group=group, dtype=jnp.bfloat16,
+    def test_matches_reference(self, page_size, head_dim, group, dtype):
+        self.check_against_reference(page_size=page_size, head_dim=head_dim, group=group, dtype=dtype,
                                      block_q=triton_block_q(group), pages_per_block=32 // min(page_size, 32))
 
     @pytest.mark.parametrize("page_size", [16, 64])
