@@ -195,9 +195,7 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling is not None:
         kind = scaling.pop("type", None)  # the pre-4.45 spelling
         scaling.setdefault("rope_type", kind)
-        if scaling["rope_type"] in ("default", None) and not set(scaling) - {"rope_type"}:
-            scaling = None
-        elif scaling["rope_type"] == "default":
+        if scaling["rope_type"] == "default" or scaling == {"rope_type": None}:
             scaling = None
     return theta, scaling
 
