@@ -74,7 +74,6 @@ class EngineLoop:
         self._last_stats_time = 0.0
         self.failure: BaseException | None = None
         self._closed = False
-        self.num_steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -131,7 +130,6 @@ class EngineLoop:
             except BaseException as exc:  # noqa: B036 - fail every request, then stop
                 self._fail(exc)
                 return
-            self.num_steps += 1
             self._dispatch(outputs)
             self._publish_stats(force=not self.engine.has_unfinished_requests())  # idle: exact
 

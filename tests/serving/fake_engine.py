@@ -54,7 +54,6 @@ class FakeEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_delay_s = step_delay_s
         self.eos_after = eos_after                # emit EOS as the n-th token (None: never)
-        self.num_steps = 0
         self.dynamic_chunking: dict[str, object] = {"state": "off"}
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
@@ -95,7 +94,6 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        self.num_steps += 1
         outputs = [self._finish(req, "abort", []) for req in self._aborted]
         self._aborted.clear()
         self._admit()
