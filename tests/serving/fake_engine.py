@@ -2,7 +2,8 @@
 
 Same interface and the same contracts the server relies on: validation with `InvalidRequestError`,
 decodes first then prompt chunks within `max_num_batched_tokens`, pages allocated per request and
-freed on finish or abort, an aborted request yields a final output with finish_reason "abort".
+freed on finish or abort, an aborted request yields a final output with finish_reason "abort", `text`
+is filled only once a request finishes.
 Tokens are bytes (vocab 256 + EOS); each generated token depends only on the prompt and its position,
 so outputs are reproducible. `step_delay_s` slows steps down to make cancellation races testable.
 """
@@ -165,5 +166,6 @@ class FakeEngine:
         return self._output(req, new, True, reason)
 
     def _output(self, req: _Request, new: list[int], finished: bool, reason: str | None) -> RequestOutput:
+        text = self.tokenizer.decode(req.output) if finished else ""  # like LLMEngine: text once finished
         return RequestOutput(req.request_id, req.prompt, list(req.output), new, finished, reason, req.metrics,
-                             text=self.tokenizer.decode(req.output))
+                             text=text)
