@@ -114,6 +114,15 @@ def _open_shards(folder: Path) -> dict[str, _SafetensorsFile]:
     return by_name
 
 
+def _expected_params(config: LlamaConfig) -> Params:
+    """The params tree `config` implies, as shapes and dtypes only (nothing is allocated)."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def _write_config(folder: Path, config: LlamaConfig) -> None:
+    (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+
+
 def _cast(params: Params, dtype: str | None) -> Params:
     if dtype in (None, "auto"):
         return params
@@ -129,7 +138,7 @@ def load_hf(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfig, 
     folder = Path(folder)
     config = LlamaConfig.from_pretrained(folder)
     tensors = _open_shards(folder)
-    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    expected = _expected_params(config)
     params: dict[str, Any] = {}
     for path, leaf in _leaf_paths(expected):
         layers = [None] if path[0] != "layers" else list(range(config.num_hidden_layers))
@@ -164,7 +173,7 @@ def save_hf(folder: str | Path, params: Params, config: LlamaConfig) -> None:
             value = array if layer is None else array[layer]
             tensors[name] = np.ascontiguousarray(value.T if transpose else value)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    _write_config(folder, config)
 
 
 # ------------------------------------------------------------------------------------ orbax folders
@@ -179,7 +188,7 @@ def save_orbax(folder: str | Path, params: Params, config: LlamaConfig) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(folder / ORBAX_PARAMS_DIR, params, force=True)
         ckptr.wait_until_finished()
-    (folder / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    _write_config(folder, config)
 
 
 def load_orbax(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfig, Params]:
@@ -194,7 +203,7 @@ def load_orbax(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfi
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, saved_dtype, sharding=sharding),
-        jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
+        _expected_params(config))
     try:
         with ocp.StandardCheckpointer() as ckptr:
             params = ckptr.restore(params_dir, target)
