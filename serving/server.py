@@ -110,17 +110,14 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                                f"request_id: {request_id!r} is already in flight")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+
+        def sink(out: RequestOutput | BaseException) -> None:  # engine thread
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
         self._enter(request_id)
         finished = False
         try:
-            try:
-                def sink(out: RequestOutput | BaseException) -> None:  # engine thread
-                    loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-                await asyncio.wrap_future(self._engine.add(request_id, prompt, params, sink))
-            except InvalidRequestError as exc:
-                finished = True  # refused: nothing to abort
-                await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await asyncio.wrap_future(self._engine.add(request_id, prompt, params, sink))
             text_of = _TextDeltas(self._engine.engine.tokenizer)
             while not finished:
                 out = await outputs.get()
@@ -129,6 +126,9 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out!r}")
                 finished = out.finished
                 yield self._response(request_id, out, text_of(out))
+        except InvalidRequestError as exc:  # the engine refused it: nothing to abort
+            finished = True
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineFailedError as exc:
             finished = True
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
