@@ -26,6 +26,12 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+def split_dynamic_chunking(state: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """The engine's dynamic-chunking state as numbers (counters, coefficients) and text (state, policy)."""
+    values = {key: float(value) for key, value in state.items() if isinstance(value, bool | int | float)}
+    return values, {key: str(value) for key, value in state.items() if key not in values}
+
+
 class _StatsCollector(Collector):
     """Gauges and counters from the last EngineStats snapshot (engine totals stay counters)."""
 
@@ -62,11 +68,11 @@ class _StatsCollector(Collector):
                                     labels=["name"])
         labels = GaugeMetricFamily("jaxcpp_dynamic_chunking_info", "dynamic chunking textual state "
                                    "(state, policy), as a 1-valued gauge", labels=["name", "value"])
-        for key, value in sorted(stats.dynamic_chunking.items()):
-            if isinstance(value, bool | int | float):
-                dynamic.add_metric([key], float(value))
-            else:
-                labels.add_metric([key, str(value)], 1.0)
+        values, texts = split_dynamic_chunking(stats.dynamic_chunking)
+        for key, value in sorted(values.items()):
+            dynamic.add_metric([key], value)
+        for key, text in sorted(texts.items()):
+            labels.add_metric([key, text], 1.0)
         yield dynamic
         yield labels
 

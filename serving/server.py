@@ -36,7 +36,7 @@ from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
-from jaxcpp.serving.metrics import ServingMetrics
+from jaxcpp.serving.metrics import ServingMetrics, split_dynamic_chunking
 from jaxcpp.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -155,12 +155,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             s = await asyncio.wrap_future(self._engine.submit(self._engine.engine.stats))
         except EngineFailedError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        dynamic = pb.DynamicChunkingStats()
-        for key, value in s.dynamic_chunking.items():
-            if isinstance(value, bool | int | float):
-                dynamic.values[key] = float(value)
-            else:
-                dynamic.labels[key] = str(value)
+        values, labels = split_dynamic_chunking(s.dynamic_chunking)
         return pb.GetServerStatsResponse(
             num_running=s.num_running, num_waiting=s.num_waiting, num_pages_used=s.num_pages_used,
             num_pages_free=s.num_pages_free, num_pages_total=s.num_pages_total,
@@ -168,7 +163,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             num_prompt_tokens_total=s.num_prompt_tokens_total,
             num_generation_tokens_total=s.num_generation_tokens_total,
             num_preemptions_total=s.num_preemptions_total, num_in_flight=len(self._in_flight),
-            max_queue_size=self._config.max_queue_size, dynamic_chunking=dynamic,
+            max_queue_size=self._config.max_queue_size,
+            dynamic_chunking=pb.DynamicChunkingStats(values=values, labels=labels),
             uptime_s=time.monotonic() - self._started)
 
     def _response(self, request_id: str, out: RequestOutput, text: str) -> pb.GenerateResponse:
