@@ -61,10 +61,8 @@ class LLMEngine:
     def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.chunking.enable_dynamic_chunking:
             return None
-        controller = DynamicChunkController.from_config(
-            self.config, allowed_sizes=tuple(self.shape.token_buckets))
-        controller.max_model_len = self.model.max_model_len
-        return controller
+        return DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.shape.token_buckets),
+                                                  max_model_len=self.model.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

@@ -87,8 +87,9 @@ class DynamicChunkController:
 
     @classmethod
     def from_config(cls, config: EngineConfig, allowed_sizes: tuple[int, ...] | None = None,
-                    runs_prefills: bool = True) -> DynamicChunkController:
-        """Built from the engine config; `allowed_sizes` are the compiled token buckets.
+                    runs_prefills: bool = True, max_model_len: int | None = None) -> DynamicChunkController:
+        """Built from the engine config; `allowed_sizes` are the compiled token buckets, `max_model_len`
+        the resolved one when --max-model-len was left to the model.
 
         With an uneven --pp-partition the stages weigh layers / the largest stage's layers: the model
         describes the slowest stage, so the engine should time that one.
@@ -105,7 +106,7 @@ class DynamicChunkController:
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             allowed_sizes=allowed_sizes, stage_weights=weights)
         return cls(settings, policy=chunking.dynamic_chunking_policy,
-                   enabled=chunking.enable_dynamic_chunking, max_model_len=config.model.max_model_len,
+                   enabled=chunking.enable_dynamic_chunking, max_model_len=max_model_len or config.model.max_model_len,
                    runs_prefills=runs_prefills)
 
     # ----- start-up ---------------------------------------------------------------------------------
