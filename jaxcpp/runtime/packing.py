@@ -1,16 +1,17 @@
 """A step's small host arrays packed into one int32 buffer, so each stage receives one transfer, not 14.
 
 `device_put` costs tens of microseconds per array in Python, whatever the array's size; a step has
-about 14 arrays (token ids, metadata, sampling parameters) and a pipeline puts them on P stages per
+14 arrays (token ids, metadata, sampling parameters) and a pipeline puts them on P stages per
 micro-batch. Every StepInput field is 4 bytes wide (int32, uint32, float32), so the fields are viewed
-as int32, concatenated on the host, and cut apart and bit-cast back inside the stage's jitted program.
-The layout (names, shapes, dtypes) is a static argument: it follows from the bucket, so it adds no
-programs beyond the one per bucket.
+as int32, concatenated on the host once per step, and cut apart and bit-cast back inside each stage's
+jitted program, which reads the fields it needs (XLA drops the others). The layout (names, shapes,
+dtypes) is a static argument: it follows from the bucket, so it adds no programs beyond the one per
+bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -28,14 +29,17 @@ class Field(NamedTuple):
 Layout = tuple[Field, ...]
 
 
-def pack(step: StepInput, keys: Sequence[str]) -> tuple[np.ndarray, Layout]:
-    """The named fields of `step` as one flat int32 array ([sum of sizes]) and how to cut it apart."""
-    arrays = [np.asarray(getattr(step, k)) for k in keys]
-    for k, a in zip(keys, arrays, strict=True):
+_KEYS = tuple(f.name for f in dataclasses.fields(StepInput))
+
+
+def pack(step: StepInput) -> tuple[np.ndarray, Layout]:
+    """All fields of `step` as one flat int32 array ([sum of sizes]) and how to cut it apart."""
+    arrays = [np.asarray(getattr(step, k)) for k in _KEYS]
+    for k, a in zip(_KEYS, arrays, strict=True):
         if a.dtype.itemsize != 4:
             raise TypeError(f"StepInput.{k} is {a.dtype}; packing needs 4-byte fields")
     buf = np.concatenate([a.reshape(-1).view(np.int32) for a in arrays])
-    return buf, tuple(Field(k, a.shape, a.dtype) for k, a in zip(keys, arrays, strict=True))
+    return buf, tuple(Field(k, a.shape, a.dtype) for k, a in zip(_KEYS, arrays, strict=True))
 
 
 def unpack(buf: jax.Array, layout: Layout) -> dict[str, jax.Array]:

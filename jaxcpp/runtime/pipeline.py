@@ -42,7 +42,8 @@ from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.executor import StepResult
 from jaxcpp.runtime.mesh import make_mesh, stage_layers, stage_mesh
 from jaxcpp.runtime.model_runner import StepOutput, dummy_step
-from jaxcpp.runtime.stage import Stage, host_params
+from jaxcpp.runtime.packing import pack
+from jaxcpp.runtime.stage import Stage, StageInput, host_params
 from jaxcpp.runtime.timing import StageBatch, StageTiming, TimingRecorder
 from jaxcpp.runtime.trace import TraceWriter
 from jaxcpp.step_input import StepInput
@@ -94,8 +95,7 @@ class PipelineExecutor:
             raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         records, hidden = [], None
-        for stage in self.stages:
-            batch = stage.put_batch(step)
+        for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             if hidden is not None:
                 hidden = stage.receive(hidden)
             inputs = (batch.packed, hidden)
@@ -147,8 +147,7 @@ class PipelineExecutor:
 
     def _dummy_forward(self, step: StepInput) -> list[float]:
         seconds, hidden = [], None
-        for stage in self.stages:
-            batch = stage.put_batch(step)
+        for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             if hidden is not None:
                 hidden = stage.receive(hidden)
             jax.block_until_ready((batch.packed, hidden, stage.kv))  # also drains micro-batches in flight
@@ -156,6 +155,12 @@ class PipelineExecutor:
             hidden = jax.block_until_ready(stage.run_dummy(batch, hidden))
             seconds.append(time.perf_counter() - t0)
         return seconds
+
+    def _put_step(self, step: StepInput) -> list[StageInput]:
+        """The step packed once on the host and put on every stage's devices in one `device_put`."""
+        buf, layout = pack(step)
+        bufs = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
+        return [StageInput(b, layout) for b in bufs]
 
     def close(self) -> None:
         """Stop the watchers and finish the trace file (also done at interpreter exit)."""

@@ -6,9 +6,9 @@
     (with P = 1 the one stage is both first and last)
 
 Each stage jits its own program (one per token bucket, by shape); params are arguments, the step's
-arrays arrive packed in one buffer (`jaxcpp.runtime.packing`), the KV pages are donated and stay
-sharded as they came in, activations leave replicated over the stage's "tp" axis
-so the next stage can take them with one `device_put`. The model code is the plain functional API
+arrays arrive packed in one buffer (`jaxcpp.runtime.packing`; every stage gets the same one), the KV
+pages are donated and stay sharded as they came in, activations leave replicated over the stage's "tp"
+axis so the next stage can take them with one `device_put`. The model code is the plain functional API
 (`embed`, `run_layers`, `compute_logits`); the stage only slices and places what it is given.
 """
 
@@ -24,14 +24,13 @@ from jax.sharding import Mesh, NamedSharding
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.models.config import LlamaConfig
-from jaxcpp.runtime.model_runner import SAMPLING_KEYS, StepOutput, attention_metadata, logits_and_sample
-from jaxcpp.runtime.packing import Layout, pack, unpack
+from jaxcpp.runtime.model_runner import StepOutput, attention_metadata, logits_and_sample
+from jaxcpp.runtime.packing import Layout, unpack
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
-from jaxcpp.step_input import StepInput
 
 
 class StageInput(NamedTuple):
-    packed: jax.Array  # [n] int32 on the stage's devices: the step's fields this stage reads
+    packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
     layout: Layout     # how to cut it apart (static: one per bucket)
 
 
@@ -72,8 +71,6 @@ class Stage:
         num_layers = layers[1] - layers[0]
         make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
-        self.batch_keys = (("token_ids",) if self.is_first else ()) + AttentionMetadata._fields \
-            + (SAMPLING_KEYS if self.is_last else ())
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         self._dummy_program: Any = None  # attention-free; built on first use (calibration only)
 
@@ -100,11 +97,6 @@ class Stage:
         return hidden, kv
 
     # ---- per micro-batch (all asynchronous) ----------------------------------------------------
-    def put_batch(self, step: StepInput) -> StageInput:
-        """The step arrays this stage reads, packed into one transfer onto its devices (replicated)."""
-        buf, layout = pack(step, self.batch_keys)
-        return StageInput(jax.device_put(buf, self.replicated), layout)
-
     def receive(self, hidden: jax.Array) -> jax.Array:
         """The previous stage's activations, moved onto this stage's devices."""
         return jax.device_put(hidden, self.replicated)
