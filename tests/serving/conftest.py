@@ -4,13 +4,14 @@ real engine on the bundled tiny model (one per session, shared: building it comp
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from jaxcpp.config import ServerConfig
-from jaxcpp.serving.client import Client
+from jaxcpp.serving.client import Client, Delta
 from jaxcpp.serving.server import ServerThread
 from tests.serving.fake_engine import FakeEngine
 
@@ -19,6 +20,20 @@ MODEL = os.environ.get("JAXCPP_TEST_MODEL", "tiny")  # the bundled model unless 
 REAL_ENGINE_KWARGS: dict[str, Any] = dict(model=MODEL, dtype="float32", max_model_len=512,
                                           max_num_batched_tokens=128, max_num_seqs=32, log_stats_interval_s=0)
 MAX_MESSAGE_BYTES = 256 * 1024
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def started_stream(client: Client, prompt: str = "abc", **sampling: Any) -> Iterator[Delta]:
+    """A long stream (400 tokens) whose first message has arrived: admitted and running."""
+    stream = client.stream(prompt, max_tokens=400, **sampling)
+    next(stream)
+    return stream
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving import AsyncClient, Client
-from tests.serving.conftest import MAX_MESSAGE_BYTES, REAL_ENGINE_KWARGS
+from tests.serving.conftest import MAX_MESSAGE_BYTES, REAL_ENGINE_KWARGS, started_stream
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +58,8 @@ def test_32_concurrent_streams_all_complete(real_server, real_client, tiny_llm) 
 
 def test_cancel_mid_stream_frees_every_page(real_client) -> None:
     before = real_client.stats().engine
-    stream = real_client.stream("Once upon a time", max_tokens=400, ignore_eos=True, temperature=0)
-    next(stream), next(stream)
+    stream = started_stream(real_client, "Once upon a time", ignore_eos=True, temperature=0)
+    next(stream)
     assert real_client.stats().engine.num_pages_used > 0
     stream.close()
     after = wait_idle(real_client)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -15,14 +14,8 @@ import pytest
 
 from jaxcpp.serving import AsyncClient, Client
 from jaxcpp.serving.client import build_request
+from tests.serving.conftest import started_stream, wait_until
 from tests.serving.fake_engine import EOS, FakeEngine
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_stream_gives_the_engines_tokens_and_text(fake_client: Client) -> None:
@@ -90,9 +83,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(fake_client: Client, kwa
 def test_queue_full_is_resource_exhausted(serve) -> None:
     server = serve(FakeEngine(step_delay_s=0.01), max_queue_size=2)
     with Client(f"127.0.0.1:{server.port}") as client:
-        streams = [client.stream("a", max_tokens=400) for _ in range(2)]
-        for s in streams:
-            next(s)  # both admitted and running
+        streams = [started_stream(client, "a") for _ in range(2)]
         with pytest.raises(grpc.RpcError) as err:
             client.generate("b", max_tokens=2)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -106,8 +97,7 @@ def test_queue_full_is_resource_exhausted(serve) -> None:
 def test_duplicate_request_id_in_flight_is_already_exists(serve) -> None:
     server = serve(FakeEngine(step_delay_s=0.01))
     with Client(f"127.0.0.1:{server.port}") as client:
-        first = client.stream("a", max_tokens=400, request_id="same")
-        next(first)
+        first = started_stream(client, "a", request_id="same")
         with pytest.raises(grpc.RpcError) as err:
             client.generate("b", max_tokens=2, request_id="same")
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -118,8 +108,8 @@ def test_cancel_mid_stream_aborts_within_a_step_and_frees_pages(serve) -> None:
     engine = FakeEngine(step_delay_s=0.005)
     server = serve(engine)
     with Client(f"127.0.0.1:{server.port}") as client:
-        stream = client.stream("abc", max_tokens=400)
-        next(stream), next(stream)
+        stream = started_stream(client)
+        next(stream)
         assert client.stats().engine.num_pages_used > 0
         stream.close()  # cancels the call
         wait_until(lambda: client.stats().engine.num_pages_used == 0)
@@ -218,8 +208,7 @@ def test_engine_failure_fails_requests_and_health(serve) -> None:
     engine = FakeEngine(step_delay_s=0.01)
     server = serve(engine)
     with Client(f"127.0.0.1:{server.port}") as client:
-        stream = client.stream("abc", max_tokens=400)
-        next(stream)
+        stream = started_stream(client)
 
         def boom() -> list:
             raise RuntimeError("device lost")

@@ -7,13 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
 
 from jaxcpp.serving import Client
-from tests.serving.conftest import MODEL
+from tests.serving.conftest import MODEL, started_stream, wait_until
 from tests.serving.fake_engine import FakeEngine
 
 
@@ -41,10 +40,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path) -> None:
                 done.set()
 
             threading.Thread(target=consume, daemon=True).start()
-            deadline = time.monotonic() + 60
-            while not deltas:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(lambda: deltas, timeout=60)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 0
             assert done.wait(5)
@@ -62,8 +58,7 @@ def test_past_the_grace_period_in_flight_calls_are_aborted(serve) -> None:
     engine = FakeEngine(step_delay_s=0.01)
     server = serve(engine)
     with Client(f"127.0.0.1:{server.port}") as client:
-        stream = client.stream("abc", max_tokens=400)
-        next(stream)
+        stream = started_stream(client)
         server.stop(grace=0.2)
         with pytest.raises(grpc.RpcError) as err:
             list(stream)
