@@ -43,7 +43,7 @@ from jaxcpp.runtime.executor import StepResult
 from jaxcpp.runtime.mesh import make_mesh, stage_layers, stage_mesh
 from jaxcpp.runtime.model_runner import StepOutput, dummy_step
 from jaxcpp.runtime.packing import pack
-from jaxcpp.runtime.stage import Stage, StageInput, host_params
+from jaxcpp.runtime.stage import Stage, StageInput
 from jaxcpp.runtime.timing import StageBatch, StageTiming, TimingRecorder
 from jaxcpp.runtime.trace import TraceWriter
 from jaxcpp.step_input import StepInput
@@ -177,8 +177,7 @@ def build_pipeline_executor(config: EngineConfig, model: Any, attention_fn: llam
     mesh = make_mesh(num_stages, p.tensor_parallel_size)
     partition = p.partition_list() if p.pp_partition is not None else None
     bounds = stage_layers(model.config.num_hidden_layers, num_stages, partition)
-    params = host_params(model.params)
-    stages = [Stage(s, num_stages, stage_mesh(mesh, s), model.config, params, bounds[s], model.num_pages,
+    stages = [Stage(s, num_stages, stage_mesh(mesh, s), model.config, model.params, bounds[s], model.num_pages,
                     config.cache.block_size, attention_fn) for s in range(num_stages)]
     log.info("pipeline: %d stage(s) x %d device(s), layers per stage %s",
              num_stages, p.tensor_parallel_size, [e - s for s, e in bounds])

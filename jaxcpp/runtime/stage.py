@@ -18,7 +18,6 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxcpp.kernels.metadata import AttentionMetadata
@@ -112,8 +111,3 @@ class Stage:
             self._dummy_program = self._jit(zero_attention)
         out, self.kv = self._dummy_program(self.params, self.kv, hidden, batch.packed, layout=batch.layout)
         return out
-
-
-def host_params(params: llama.Params) -> llama.Params:
-    """The params as numpy, so each stage slices its part without touching device 0."""
-    return jax.tree_util.tree_map(np.asarray, params)
