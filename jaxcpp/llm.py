@@ -14,8 +14,17 @@ from jaxcpp.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str = "tiny", *, record_logits: bool = False, **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs),
-                                record_logits=record_logits)
+        """Keyword arguments are engine flags by their field names (`max_num_batched_tokens=512`)."""
+        self._start(EngineConfig.from_kwargs(model=model, **engine_kwargs), record_logits)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, record_logits: bool = False) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config, record_logits)
+        return llm
+
+    def _start(self, config: EngineConfig, record_logits: bool) -> None:
+        self.engine = LLMEngine(config, record_logits=record_logits)
         self._ids = itertools.count()
 
     def generate(

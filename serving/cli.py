@@ -134,16 +134,13 @@ def _client_call(client: Any, args: argparse.Namespace) -> int:
 
 # -- generate (offline) --------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from jaxcpp import LLM, SamplingParams
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("jaxcpp.runtime").setLevel(logging.INFO)  # the per-bucket compile progress
     config = engine_config_from_args(args)  # validates; errors name the flag
-    flat = {k: v for section in dataclasses.asdict(config).values() for k, v in section.items()}
     params = SamplingParams(**_sampling_kwargs(args))
-    out = LLM(**flat).generate(args.prompt, params)[0]
+    out = LLM.from_config(config).generate(args.prompt, params)[0]
     m = out.metrics
     print(out.text)
     print(_metrics_line(len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, m.ttft or 0.0,
