@@ -59,14 +59,12 @@ class _InFlight:
 
 
 class PipelineExecutor:
-    def __init__(self, mesh: jax.sharding.Mesh, stages: list[Stage], trace_file: str | None = None) -> None:
-        self.mesh = mesh
+    def __init__(self, stages: list[Stage], trace_file: str | None = None) -> None:
         self.stages = stages
         self.max_in_flight = len(stages)
-        self._origin = time.perf_counter()
         names = [f"stage {s.index}: layers {s.layers[0]}-{s.layers[1] - 1}, devices "
                  f"{','.join(str(d.id) for d in s.devices)}" for s in stages]
-        self._trace = TraceWriter(trace_file, self._origin, names) if trace_file else None
+        self._trace = TraceWriter(trace_file, time.perf_counter(), names) if trace_file else None
         self._timing = TimingRecorder(len(stages), self._trace.add if self._trace else None)
         self._pending: deque[_InFlight] = deque()
         self._next_ticket = 0
@@ -181,4 +179,4 @@ def build_pipeline_executor(config: EngineConfig, model: Any, attention_fn: llam
                     config.cache.block_size, attention_fn) for s in range(num_stages)]
     log.info("pipeline: %d stage(s) x %d device(s), layers per stage %s",
              num_stages, p.tensor_parallel_size, [e - s for s, e in bounds])
-    return PipelineExecutor(mesh, stages, p.trace_file)
+    return PipelineExecutor(stages, p.trace_file)
