@@ -29,7 +29,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from jaxcpp.buckets import seq_bucket  # noqa: E402
 from jaxcpp.config import EngineConfig  # noqa: E402
 from jaxcpp.models.checkpoint import save_hf  # noqa: E402
 from jaxcpp.models.config import LlamaConfig  # noqa: E402
@@ -95,7 +94,7 @@ def measure(model: str, pp: int, tp: int, steps: int, trace_dir: Path) -> dict[s
         loaded = load_model(config)
         executor = build_executor(config, loaded)
         executor.warmup(loaded.token_buckets, 8, loaded.pages_per_seq)
-        return executor, dummy_step(64, seq_bucket(64, 8), loaded.pages_per_seq)
+        return executor, dummy_step(64, 8, loaded.pages_per_seq)
 
     executor, step = build(trace=False)
     submit, collect = idle_submits(executor, step, steps)

@@ -20,6 +20,7 @@ from jaxcpp.kernels.backend import select_attention
 from jaxcpp.models.checkpoint import resolve_model
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.executor import Executor, SingleDeviceExecutor
+from jaxcpp.runtime.mesh import stage_layers
 from jaxcpp.runtime.model_runner import ModelRunner
 from jaxcpp.tokenizer import Tokenizer
 
@@ -88,9 +89,9 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, pages_per_seq: int, ite
 def _largest_stage_layers(config: EngineConfig, model: LlamaConfig) -> int:
     """Every stage holds the same number of pages, so the stage with the most layers sizes them."""
     p = config.parallel
-    if p.pp_partition is not None:
-        return max(p.partition_list())
-    return -(-model.num_hidden_layers // p.pipeline_parallel_size)
+    partition = p.partition_list() if p.pp_partition is not None else None
+    return max(end - start for start, end in stage_layers(model.num_hidden_layers, p.pipeline_parallel_size,
+                                                          partition))
 
 
 def build_executor(config: EngineConfig, model: LoadedModel) -> Executor:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-from jaxcpp.buckets import seq_bucket
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.runtime import compile_guard
@@ -31,9 +31,6 @@ def attention_metadata(batch: dict[str, jax.Array]) -> AttentionMetadata:
     return AttentionMetadata(*(batch[name] for name in AttentionMetadata._fields))
 
 
-SAMPLING_KEYS = ("logits_indices", "temperature", "top_k", "top_p", "seeds", "steps")
-
-
 def logits_and_sample(params: Any, hidden: jax.Array, batch: dict[str, jax.Array],
                       config: llama.LlamaConfig) -> StepOutput:
     """The step's tail: each sequence's last hidden state ([T, D] -> [S, D]) -> logits -> a token."""
@@ -43,10 +40,23 @@ def logits_and_sample(params: Any, hidden: jax.Array, batch: dict[str, jax.Array
     return StepOutput(tokens, logits)
 
 
-def dummy_step(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
-    """An all-padding batch of one bucket's shape (`num_seqs` = its sequence bucket), for warm-up compiles:
-    what an empty schedule pads to, so warm-up compiles exactly the programs real steps use."""
-    return build_step_input(SchedulerOutput(), StepShape([num_tokens], num_seqs, pages_per_seq, page_size=1))
+def dummy_step(num_tokens: int, max_num_seqs: int, pages_per_seq: int) -> StepInput:
+    """An all-padding batch of one token bucket, for warm-up compiles: what an empty schedule pads to, so
+    warm-up compiles exactly the programs real steps use."""
+    return build_step_input(SchedulerOutput(), StepShape([num_tokens], max_num_seqs, pages_per_seq, page_size=1))
+
+
+def warm_up_buckets(run: Callable[[StepInput], object], token_buckets: list[int], max_num_seqs: int,
+                    pages_per_seq: int, where: str = "") -> float:
+    """Run (and so compile) one all-padding step per bucket, with a progress line each. Returns seconds."""
+    compile_guard.install()
+    start = time.perf_counter()
+    for i, num_tokens in enumerate(token_buckets, 1):
+        t0 = time.perf_counter()
+        run(dummy_step(num_tokens, max_num_seqs, pages_per_seq))
+        log.info("compiled bucket %d/%d%s: %d tokens (%.1fs)", i, len(token_buckets), where, num_tokens,
+                 time.perf_counter() - t0)
+    return time.perf_counter() - start
 
 
 class ModelRunner:
@@ -77,12 +87,5 @@ class ModelRunner:
 
     def warmup(self, token_buckets: list[int], max_num_seqs: int, pages_per_seq: int) -> float:
         """Compile every bucket now, so serving never compiles. Returns the seconds it took."""
-        compile_guard.install()
-        start = time.perf_counter()
-        for i, num_tokens in enumerate(token_buckets, 1):
-            t0 = time.perf_counter()
-            step = dummy_step(num_tokens, seq_bucket(num_tokens, max_num_seqs), pages_per_seq)
-            jax.block_until_ready(self.execute(step))
-            log.info("compiled bucket %d/%d: %d tokens (%.1fs)", i, len(token_buckets), num_tokens,
-                     time.perf_counter() - t0)
-        return time.perf_counter() - start
+        return warm_up_buckets(lambda step: jax.block_until_ready(self.execute(step)), token_buckets,
+                               max_num_seqs, pages_per_seq)

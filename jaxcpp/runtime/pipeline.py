@@ -35,13 +35,11 @@ from typing import Any
 
 import jax
 
-from jaxcpp.buckets import seq_bucket
 from jaxcpp.config import EngineConfig
 from jaxcpp.models import llama
-from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.executor import StepResult
 from jaxcpp.runtime.mesh import make_mesh, stage_layers, stage_mesh
-from jaxcpp.runtime.model_runner import StepOutput, dummy_step
+from jaxcpp.runtime.model_runner import StepOutput, dummy_step, warm_up_buckets
 from jaxcpp.runtime.packing import pack
 from jaxcpp.runtime.stage import Stage, StageInput
 from jaxcpp.runtime.timing import StageBatch, StageTiming, TimingRecorder
@@ -75,18 +73,16 @@ class PipelineExecutor:
     # ---- the Executor interface ----------------------------------------------------------------
     def warmup(self, token_buckets: list[int], max_num_seqs: int, pages_per_seq: int) -> float:
         """Compile every stage's program for every bucket (and the transfers between stages) now."""
-        compile_guard.install()
         self._shape = (max_num_seqs, pages_per_seq)
-        start = time.perf_counter()
-        for i, num_tokens in enumerate(token_buckets, 1):
-            t0 = time.perf_counter()
-            step = dummy_step(num_tokens, seq_bucket(num_tokens, max_num_seqs), pages_per_seq)
+
+        def run(step: StepInput) -> None:
             result = self.collect(self.submit(step, wait_for_last_stage=True))
             _ = result.tokens, result.logits()  # the host reads are warmed too
-            log.info("compiled bucket %d/%d on %d stages: %d tokens (%.1fs)", i, len(token_buckets),
-                     len(self.stages), num_tokens, time.perf_counter() - t0)
+
+        seconds = warm_up_buckets(run, token_buckets, max_num_seqs, pages_per_seq,
+                                  where=f" on {len(self.stages)} stages")
         self._traced = True
-        return time.perf_counter() - start
+        return seconds
 
     def submit(self, step: StepInput, wait_for_last_stage: bool = False) -> int:
         if len(self._pending) >= self.max_in_flight:
@@ -137,7 +133,7 @@ class PipelineExecutor:
         if self._shape is None:
             raise RuntimeError("time_dummy_forward() needs warmup() first (it fixes the batch shapes)")
         max_num_seqs, pages_per_seq = self._shape
-        step = dummy_step(num_tokens, seq_bucket(num_tokens, max_num_seqs), pages_per_seq)
+        step = dummy_step(num_tokens, max_num_seqs, pages_per_seq)
         if num_tokens not in self._dummy_ready:
             self._dummy_forward(step)
             self._dummy_ready.add(num_tokens)

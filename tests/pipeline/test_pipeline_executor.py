@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from jaxcpp import SamplingParams
-from jaxcpp.buckets import seq_bucket
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.model_runner import dummy_step
 
@@ -28,7 +27,7 @@ def executor(make_pp_llm, random_model):
 
 def a_step(executor, num_tokens: int = 64):
     max_num_seqs, pages_per_seq = executor._shape
-    return dummy_step(num_tokens, seq_bucket(num_tokens, max_num_seqs), pages_per_seq)
+    return dummy_step(num_tokens, max_num_seqs, pages_per_seq)
 
 
 def test_collect_retires_without_waiting_unless_asked(executor, monkeypatch):
