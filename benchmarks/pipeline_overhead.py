@@ -33,8 +33,10 @@ from jaxcpp.config import EngineConfig  # noqa: E402
 from jaxcpp.models.checkpoint import save_hf  # noqa: E402
 from jaxcpp.models.config import LlamaConfig  # noqa: E402
 from jaxcpp.models.llama import init_params  # noqa: E402
-from jaxcpp.runtime.factory import build_executor, load_model  # noqa: E402
-from jaxcpp.runtime.model_runner import dummy_step  # noqa: E402
+from jaxcpp.models.spec import resolve_model_spec  # noqa: E402
+from jaxcpp.runtime.factory import build_executor  # noqa: E402
+from jaxcpp.sizing import EngineSizing  # noqa: E402
+from jaxcpp.step_input import padding_step  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]
 WARM = 20
@@ -73,11 +75,11 @@ def idle_submits(executor, step, steps: int) -> tuple[list[float], list[float]]:
     for i in range(WARM + steps):
         time.sleep(0.003)  # the previous batch's watchers have gone back to sleep
         t0 = time.perf_counter()
-        ticket = executor.submit(step)
+        ticket = executor.submit(step, want_tokens=False)  # as a middle prefill chunk: collect never waits
         t1 = time.perf_counter()
-        result = executor.collect(ticket)
+        executor.collect(ticket)
         t2 = time.perf_counter()
-        _ = result.tokens  # drain, so every submit starts from an idle pipe
+        jax.block_until_ready(executor.stages[-1].kv)  # drain, so every submit starts from an idle pipe
         if i >= WARM:
             submit.append(t1 - t0)
             collect.append(t2 - t1)
@@ -88,29 +90,28 @@ def measure(model: str, pp: int, tp: int, steps: int, trace_dir: Path) -> dict[s
     def build(trace: bool):
         kw = dict(model=model, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
                   pipeline_parallel_size=pp, tensor_parallel_size=tp)
-        if trace and pp * tp > 1:
+        if trace:
             kw["trace_file"] = str(trace_dir / f"trace_{pp}x{tp}.json")
         config = EngineConfig.from_kwargs(**kw)
-        loaded = load_model(config)
-        executor = build_executor(config, loaded)
-        executor.warmup(loaded.token_buckets, 8, loaded.pages_per_seq)
-        return executor, dummy_step(64, 8, loaded.pages_per_seq)
+        sizing = EngineSizing.plan(config, resolve_model_spec(model, "float32"))
+        executor = build_executor(config, sizing)
+        executor.warmup(sizing.shape)
+        return executor, padding_step(64, sizing.shape)
 
     executor, step = build(trace=False)
     submit, collect = idle_submits(executor, step, steps)
     row = {"submit_us": us(submit), "collect_us": us(collect)}
     row["loop_probes_us"] = steady_loop(executor, step, steps) * 1e6
-    timing = getattr(executor, "_timing", None)
-    if timing is not None:
-        watch = timing.watch
-        timing.watch = lambda batches: None  # probes off: no records handed to the watchers
-        row["submit_no_probes_us"] = us(idle_submits(executor, step, steps)[0])
-        row["loop_no_probes_us"] = steady_loop(executor, step, steps) * 1e6
-        timing.watch = watch
-        executor.close()
-        traced, _ = build(trace=True)
-        row["loop_trace_us"] = steady_loop(traced, step, steps) * 1e6
-        traced.close()
+    timing = executor._timing
+    watch = timing.watch
+    timing.watch = lambda batches: None  # probes off: no records handed to the watchers
+    row["submit_no_probes_us"] = us(idle_submits(executor, step, steps)[0])
+    row["loop_no_probes_us"] = steady_loop(executor, step, steps) * 1e6
+    timing.watch = watch
+    executor.close()
+    traced, _ = build(trace=True)
+    row["loop_trace_us"] = steady_loop(traced, step, steps) * 1e6
+    traced.close()
     return row
 
 

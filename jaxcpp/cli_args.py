@@ -12,7 +12,16 @@ import types
 import typing
 from typing import Any
 
-from jaxcpp.config import ENGINE_SECTIONS, EngineConfig, ServerConfig
+from jaxcpp.config import DEPRECATED_ALIASES, ENGINE_SECTIONS, EngineConfig, ServerConfig, resolve_alias
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores into the new name's field and warns once on stderr (`--block-size` -> `--page-size`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        resolve_alias(self.dest.removeprefix("_alias_"))
+        setattr(namespace, DEPRECATED_ALIASES[self.dest.removeprefix("_alias_")], values)
 
 
 def _base_type(annotation: Any) -> type:
@@ -34,6 +43,10 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type) -> None:
         else:
             group.add_argument(flag, type=kind, default=None, choices=fld.metadata.get("choices"),
                                help=help_text)
+    for old, new in DEPRECATED_ALIASES.items():
+        if new in {f.name for f in dataclasses.fields(config_cls)}:
+            group.add_argument("--" + old.replace("_", "-"), dest="_alias_" + old, action=_DeprecatedAlias,
+                               type=_base_type(hints[new]), help=argparse.SUPPRESS)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

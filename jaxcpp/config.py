@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +49,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = opt(16, "tokens per KV-cache page")
-    num_pages: int | None = opt(None, "KV-cache pages per stage (default: sized from --kv-cache-memory-gb)")
+    page_size: int = opt(16, "tokens per KV-cache page (--block-size is a deprecated alias)")
+    num_pages: int | None = opt(None, "KV-cache pages per stage, the reserved page 0 included "
+                                "(default: sized from --kv-cache-memory-gb)")
     kv_cache_memory_gb: float = opt(1.0, "memory for the KV cache when --num-pages is not given")
 
     def __post_init__(self) -> None:
-        _require(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0, "block_size",
-                 f"must be a power of two, got {self.block_size}")
+        _require(self.page_size >= 1 and (self.page_size & (self.page_size - 1)) == 0, "page_size",
+                 f"must be a power of two, got {self.page_size}")
         _require(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be >= 2")
         _require(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
 
@@ -163,10 +165,23 @@ class EngineConfig:
         sections: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_SECTIONS}
         owners = {fld.name: name for name, cls in ENGINE_SECTIONS.items() for fld in dataclasses.fields(cls)}
         for key, value in kwargs.items():
+            key = resolve_alias(key)
             if key not in owners:
                 raise ConfigError(f"unknown engine option {key!r}")
             sections[owners[key]][key] = value
         return EngineConfig(**{name: ENGINE_SECTIONS[name](**vals) for name, vals in sections.items()})
+
+
+# Old names that keep working, with a warning: vLLM's "block" is our "page".
+DEPRECATED_ALIASES = {"block_size": "page_size"}
+
+
+def resolve_alias(name: str) -> str:
+    new = DEPRECATED_ALIASES.get(name)
+    if new is None:
+        return name
+    warnings.warn(f"{_flag(name)} is deprecated: use {_flag(new)}", DeprecationWarning, stacklevel=3)
+    return new
 
 
 ENGINE_SECTIONS: dict[str, type] = {

@@ -1,4 +1,8 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the manner of vLLM."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, in the manner of vLLM.
+
+    with LLM(model="tiny") as llm:          # closing releases the executor (threads, trace, devices)
+        outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,37 @@ from typing import Any
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.engine import LLMEngine
+from jaxcpp.executor import Executor
 from jaxcpp.outputs import RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", *, record_logits: bool = False, **engine_kwargs: Any) -> None:
-        """Keyword arguments are engine flags by their field names (`max_num_batched_tokens=512`)."""
-        self._start(EngineConfig.from_kwargs(model=model, **engine_kwargs), record_logits)
+    def __init__(self, model: str = "tiny", *, record_logits: bool = False, executor: Executor | None = None,
+                 **engine_kwargs: Any) -> None:
+        """Keyword arguments are engine flags by their field names (`max_num_batched_tokens=512`);
+        `executor` replaces the real one (e.g. `jaxcpp.fake_executor.FakeExecutor`)."""
+        self._start(EngineConfig.from_kwargs(model=model, **engine_kwargs), record_logits, executor)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, record_logits: bool = False) -> LLM:
+    def from_config(cls, config: EngineConfig, *, record_logits: bool = False,
+                    executor: Executor | None = None) -> LLM:
         llm = cls.__new__(cls)
-        llm._start(config, record_logits)
+        llm._start(config, record_logits, executor)
         return llm
 
-    def _start(self, config: EngineConfig, record_logits: bool) -> None:
-        self.engine = LLMEngine(config, record_logits=record_logits)
+    def _start(self, config: EngineConfig, record_logits: bool, executor: Executor | None) -> None:
+        self.engine = LLMEngine(config, executor, record_logits=record_logits)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

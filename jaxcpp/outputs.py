@@ -14,6 +14,13 @@ class RequestMetrics:
     finished_time: float | None = None
     itl: list[float] = field(default_factory=list)  # seconds between consecutive output tokens
 
+    def record_token(self, now: float) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            self.itl.append(now - self.last_token_time)
+        self.last_token_time = now
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
@@ -59,7 +66,7 @@ class ModelInfo:
     num_layers: int
     hidden_size: int
     dtype: str
-    block_size: int
+    page_size: int
     max_num_batched_tokens: int
     pipeline_parallel_size: int
     tensor_parallel_size: int

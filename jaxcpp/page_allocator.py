@@ -47,12 +47,6 @@ class PageAllocator:
             self._ref_counts[p] = 1
         return pages
 
-    def share(self, pages: list[int]) -> None:
-        """Take one more reference on pages another sequence already holds."""
-        for p in pages:
-            assert self._ref_counts[p] > 0, f"page {p} is not allocated"
-            self._ref_counts[p] += 1
-
     def free(self, pages: list[int]) -> None:
         for p in pages:
             assert self._ref_counts[p] > 0, f"page {p} freed twice"

@@ -18,7 +18,9 @@ class SamplingParams:
     ignore_eos: bool = False              # keep going past the model's EOS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids",
+                                      f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0.0:
@@ -29,7 +31,3 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

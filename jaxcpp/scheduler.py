@@ -1,23 +1,28 @@
-"""Continuous batching with Sarathi-style chunked prefill (host side, no jax).
+"""Continuous batching with Sarathi-style chunked prefill, and the one owner of request state (no jax).
 
 Every step is built the same way:
   1. one token for each running decode (oldest first), preempting the newest sequences by recompute
      when pages run out;
-  2. the rest of the token budget for prompt chunks: running partial prefills first, then waiting
-     requests in arrival order, each taking min(remaining prompt, remaining budget).
+  2. what is left of the token budget for prompt chunks: running partial prefills first, then waiting
+     requests in arrival order, each taking min(remaining prompt, budget left).
 A chunk advances its sequence's `num_computed_tokens` when it is scheduled; the chunk that reaches the
 last token samples a token, and the sequence waits for it (`awaiting_token`) before its next step.
 With chunked prefill off a prompt must fit the budget whole and goes in one forward.
+
+`postprocess(sched, result)` is the only place a collected step changes sequences: it appends the
+sampled tokens, stamps the metrics, finishes what hit a stop or its length (freeing the pages), and
+forwards the step's timing and the finished requests to the chunk sizer.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxcpp.config import SchedulerConfig
+from jaxcpp.executor import StepResult
 from jaxcpp.page_allocator import PageAllocator
 from jaxcpp.sequence import Sequence, SequenceStatus
 
@@ -35,6 +40,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
     num_decodes: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    ack: bool = False    # the chunk sizer needs this step's timing: the head waits for the last stage
 
     @property
     def num_tokens(self) -> int:
@@ -44,42 +50,91 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def samples(self) -> bool:
+        """Some chunk reaches its sequence's end, so the step's tokens are needed."""
+        return any(c.samples for c in self.chunks)
+
 
 class ChunkSizer(Protocol):
-    """Decides how many prompt tokens a prefilling sequence takes this step (dynamic chunking)."""
+    """Dynamic chunking's one seam: how many prompt tokens a prefilling sequence takes this step, and
+    what it learns from the steps that ran (`jaxcpp.chunking.controller.DynamicChunkController`)."""
 
-    def prefill_chunk(self, seq: Sequence, budget: int) -> int: ...
+    @property
+    def needs_ack(self) -> bool: ...
 
     def observe_step(self, num_prefill_sources: int) -> None: ...
 
+    def prefill_chunk(self, seq: Sequence, budget_left: int, step_tokens: int) -> int: ...
+
+    def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
+                      request_id: str) -> None: ...
+
+    def finish_request(self, request_id: str) -> None: ...
+
+    def run_startup_sweep(self, forward: Callable[[int], float]) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def report(self) -> str | None: ...
+
 
 class FixedChunkSizer:
-    """Sarathi's rule: as much of the prompt as the remaining budget holds."""
+    """Sarathi's rule: as much of the prompt as the budget left holds. Learns nothing."""
 
-    def prefill_chunk(self, seq: Sequence, budget: int) -> int:
-        return min(seq.num_remaining, budget)
+    needs_ack = False
 
     def observe_step(self, num_prefill_sources: int) -> None:
         pass
 
+    def prefill_chunk(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
+        return min(seq.num_remaining, budget_left)
+
+    def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
+                      request_id: str) -> None:
+        pass
+
+    def finish_request(self, request_id: str) -> None:
+        pass
+
+    def run_startup_sweep(self, forward: Callable[[int], float]) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {"state": "off"}
+
+    def report(self) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a sequence is done, besides its own max_tokens and stop ids: the model's EOS, its length."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int | None = None
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 chunk_sizer: ChunkSizer | None = None) -> None:
+                 chunk_sizer: ChunkSizer | None = None, stop: StopRule | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
-        self.chunk_sizer = chunk_sizer or FixedChunkSizer()
+        self.chunk_sizer: ChunkSizer = chunk_sizer or FixedChunkSizer()
+        self.stop = stop or StopRule()
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order: the oldest is preempted last
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence (finished or aborted) and free its pages."""
+    def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        """Retire a sequence (finished, aborted or failed) and free its pages."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -87,23 +142,69 @@ class Scheduler:
         self._free_pages(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.metrics.finished_time = now
+        self.requests.pop(seq.request_id, None)
+        self.chunk_sizer.finish_request(seq.request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.chunk_sizer.observe_step(self._num_prefill_sources())
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_decodes(out, budget)
-        budget = self._schedule_prefills(out, budget, self._running_prefills())
-        self._schedule_prefills(out, budget, list(self.waiting), admit=True)
+        budget_left = self.config.max_num_batched_tokens
+        budget_left = self._schedule_decodes(out, budget_left)
+        budget_left = self._schedule_prefills(out, budget_left, self._running_prefills())
+        self._schedule_prefills(out, budget_left, list(self.waiting), admit=True)
+        out.ack = self.chunk_sizer.needs_ack
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+    def postprocess(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[Sequence]:
+        """Apply a collected step; returns the sequences that got a token (finished ones included)."""
+        self._record_timing(sched, result)
+        sampled = []
+        for i, chunk in enumerate(sched.chunks):
+            seq = chunk.seq
+            if not chunk.samples or seq.is_finished:
+                continue  # a middle prefill chunk, or a request aborted while its step was in flight
+            assert result.tokens is not None, "a step that samples was submitted without want_tokens"
+            token = int(result.tokens[i])
+            seq.output_token_ids.append(token)
+            seq.awaiting_token = False
+            seq.metrics.record_token(now)
+            if result.logits is not None:
+                seq.logits.append(result.logits[i])
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, now)
+            sampled.append(seq)
+        return sampled
+
+    def _record_timing(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """Feed the calibration: a batch that is one prefill chunk alone, timed on the device, paired with
+        the token count that actually ran (the padded bucket), not the chunk's own length."""
+        seconds = result.forward_time
+        if seconds is None or len(sched.chunks) != 1:
+            return
+        chunk = sched.chunks[0]
+        if chunk.start >= len(chunk.seq.prompt_token_ids):
+            return  # a decode
+        self.chunk_sizer.record_timing(result.timings[0].num_tokens, chunk.start, seconds, True,
+                                       chunk.seq.request_id)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.stop.eos_token_ids):
+            return "stop"
+        max_len = self.stop.max_model_len
+        if len(seq.output_token_ids) >= p.max_tokens or (max_len is not None and seq.num_tokens >= max_len):
+            return "length"
+        return None
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget_left: int) -> int:
         for seq in list(self.running):
-            if budget < 1 or len(out.chunks) >= self.config.max_num_seqs:
+            if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.awaiting_token or not seq.is_decode:
                 continue
@@ -111,17 +212,17 @@ class Scheduler:
                 continue  # seq itself was preempted
             self._take(out, seq, 1)
             out.num_decodes += 1
-            budget -= 1
-        return budget
+            budget_left -= 1
+        return budget_left
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int, candidates: Iterable[Sequence],
+    def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
                            admit: bool = False) -> int:
         for seq in candidates:
-            if budget < 1 or len(out.chunks) >= self.config.max_num_seqs:
+            if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
                 break
             if not admit and seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            chunk = self._chunk_size(seq, budget)
+            chunk = self._chunk_size(seq, budget_left, out.num_tokens)
             if chunk == 0:
                 break
             if admit:
@@ -135,13 +236,13 @@ class Scheduler:
             elif not self._make_room(seq, chunk, out):
                 continue
             self._take(out, seq, chunk)
-            budget -= chunk
-        return budget
+            budget_left -= chunk
+        return budget_left
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+    def _chunk_size(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
         if not self.config.enable_chunked_prefill:
-            return seq.num_remaining if seq.num_remaining <= budget else 0
-        return min(self.chunk_sizer.prefill_chunk(seq, budget), seq.num_remaining, budget)
+            return seq.num_remaining if seq.num_remaining <= budget_left else 0
+        return min(self.chunk_sizer.prefill_chunk(seq, budget_left, step_tokens), seq.num_remaining, budget_left)
 
     def _take(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
         start = seq.num_computed_tokens

@@ -2,18 +2,28 @@
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
 token bucket T and the sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
-the reserved page 0 and padding sequences have zero-length queries and KV.
+the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
+padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
+
+`pack` is the host half of moving a step: every field viewed as int32 and concatenated into one
+buffer, so each stage receives one transfer, not 14 (`device_put` costs tens of microseconds per array
+whatever its size). `jaxcpp.runtime.packing.unpack` cuts it apart inside the jitted program; the
+layout (names, shapes, dtypes) follows from the bucket, so it adds no programs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from jaxcpp.buckets import pad_to_bucket, seq_bucket
 from jaxcpp.page_allocator import RESERVED_PAGE
-from jaxcpp.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxcpp.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -46,40 +56,68 @@ class StepShape:
     page_size: int
 
 
+def padding_step(num_tokens: int, shape: StepShape) -> StepInput:
+    """An all-padding step of one token bucket (warm-up compiles, attention-free forwards)."""
+    return _padding(num_tokens, seq_bucket(num_tokens, shape.max_num_seqs), shape.pages_per_seq)
+
+
 def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
     num_tokens = pad_to_bucket(sched.num_tokens, shape.token_buckets)
-    num_seqs = seq_bucket(num_tokens, shape.max_num_seqs)
+    step = _padding(num_tokens, seq_bucket(num_tokens, shape.max_num_seqs), shape.pages_per_seq)
+    step.cu_q_lens[:] = sched.num_tokens
+    step.num_seqs[...] = len(sched.chunks)
+    step.num_decodes[...] = sched.num_decodes
     ps = shape.page_size
-    token_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.full(num_tokens, RESERVED_PAGE * ps, np.int32)
-    cu_q_lens = np.full(num_seqs + 1, sched.num_tokens, np.int32)
-    kv_lens = np.zeros(num_seqs, np.int32)
-    page_indices = np.full((num_seqs, shape.pages_per_seq), RESERVED_PAGE, np.int32)
-    logits_indices = np.zeros(num_seqs, np.int32)
-    temperature = np.zeros(num_seqs, np.float32)
-    top_k = np.zeros(num_seqs, np.int32)
-    top_p = np.ones(num_seqs, np.float32)
-    seeds = np.zeros(num_seqs, np.uint32)
-    steps = np.zeros(num_seqs, np.int32)
-
     offset = 0
     for i, chunk in enumerate(sched.chunks):
         seq, end = chunk.seq, offset + chunk.num_tokens
         pos = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int32)
         pages = np.asarray(seq.pages, np.int32)
-        token_ids[offset:end] = seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
-        positions[offset:end] = pos
-        slot_mapping[offset:end] = pages[pos // ps] * ps + pos % ps
-        cu_q_lens[i] = offset
-        kv_lens[i] = chunk.start + chunk.num_tokens
-        page_indices[i, : len(pages)] = pages
-        logits_indices[i] = end - 1
+        step.token_ids[offset:end] = seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
+        step.positions[offset:end] = pos
+        step.slot_mapping[offset:end] = pages[pos // ps] * ps + pos % ps
+        step.cu_q_lens[i] = offset
+        step.kv_lens[i] = chunk.start + chunk.num_tokens
+        step.page_indices[i, : len(pages)] = pages
+        step.logits_indices[i] = end - 1
         p = seq.params
-        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-        seeds[i] = seq.seed & 0xFFFFFFFF
-        steps[i] = len(seq.output_token_ids)
+        step.temperature[i], step.top_k[i], step.top_p[i] = p.temperature, p.top_k, p.top_p
+        step.seeds[i] = seq.seed & 0xFFFFFFFF
+        step.steps[i] = len(seq.output_token_ids)
         offset = end
-    return StepInput(token_ids, positions, slot_mapping, cu_q_lens, kv_lens, page_indices,
-                     np.int32(len(sched.chunks)), np.int32(sched.num_decodes), logits_indices,
-                     temperature, top_k, top_p, seeds, steps)
+    return step
+
+
+def _padding(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
+    """Every token writes the reserved page, every sequence has zero-length queries and KV."""
+    return StepInput(
+        token_ids=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32),
+        slot_mapping=np.zeros(num_tokens, np.int32),  # slot 0 is in RESERVED_PAGE (page 0)
+        cu_q_lens=np.zeros(num_seqs + 1, np.int32), kv_lens=np.zeros(num_seqs, np.int32),
+        page_indices=np.full((num_seqs, pages_per_seq), RESERVED_PAGE, np.int32),
+        num_seqs=np.zeros((), np.int32), num_decodes=np.zeros((), np.int32),
+        logits_indices=np.zeros(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
+        top_k=np.zeros(num_seqs, np.int32), top_p=np.ones(num_seqs, np.float32),
+        seeds=np.zeros(num_seqs, np.uint32), steps=np.zeros(num_seqs, np.int32))
+
+
+# ---- packing: the host half ------------------------------------------------------------------------
+class Field(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype  # hashable, so a layout can be a static jit argument
+
+
+Layout = tuple[Field, ...]
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(StepInput))
+
+
+def pack(step: StepInput) -> tuple[np.ndarray, Layout]:
+    """All fields of `step` as one flat int32 array ([sum of sizes]) and how to cut it apart."""
+    arrays = [np.asarray(getattr(step, k)) for k in _FIELDS]
+    for k, a in zip(_FIELDS, arrays, strict=True):
+        if a.dtype.itemsize != 4:
+            raise TypeError(f"StepInput.{k} is {a.dtype}; packing needs 4-byte fields")
+    buf = np.concatenate([a.reshape(-1).view(np.int32) for a in arrays])
+    return buf, tuple(Field(k, a.shape, a.dtype) for k, a in zip(_FIELDS, arrays, strict=True))

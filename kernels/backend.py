@@ -17,11 +17,10 @@ model never learns which one it got, and each is safe to call inside `jax.jit`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 
-from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.kernels.metadata import AttentionFn
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
@@ -29,7 +28,6 @@ from jaxcpp.kernels.ragged_paged_attention import (
 )
 
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
 
 
 def is_rocm() -> bool:

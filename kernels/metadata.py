@@ -12,6 +12,7 @@ Layout conventions (shared by the model, the kernels and the step-input builder)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -25,3 +26,7 @@ class AttentionMetadata(NamedTuple):
     page_indices: jax.Array  # [S, P] int32: the pages holding each sequence's KV, in order (unused: 0)
     num_seqs: jax.Array      # [] int32: real sequences in the batch
     num_decodes: jax.Array   # [] int32: sequences [0, num_decodes) are decodes with one query token
+
+
+# An attention op: (q [T, H, Dh], k_pages, v_pages [num_pages, page_size, Hkv, Dh], metadata) -> [T, H, Dh].
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]

@@ -6,6 +6,11 @@ and per-layer tensors are stacked on a leading `[L]` axis. Tensors are read with
 safetensors reader because `safetensors.numpy` cannot represent bfloat16. Orbax folders hold
 `config.json` (HF format, so the same parser reads both) beside `params/`. `resolve_model` turns a
 CLI model name into (config, params, tokenizer). Every failure is a `ModelLoadError` naming the file.
+
+A pipeline stage loads only its own part (`load_stage_params`): its decoder layers, plus the embedding
+and the head where it needs them. Safetensors are memory-mapped, so only those tensors are read; an
+orbax folder's arrays are read through tensorstore (the storage orbax writes: OCDBT + zarr) one
+layer range at a time. Peak host memory while loading a P-stage model is about 1/P of it per stage.
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ import numpy as np
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
 from jaxcpp.models.llama import Params, init_params
-from jaxcpp.tokenizer import Tokenizer, load_tokenizer
+from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
+from jaxcpp.tokenizer import Tokenizer
 
-BUNDLED_MODELS = {"tiny": Path(__file__).resolve().parent / "checkpoints" / "tiny"}
+__all__ = ["BUNDLED_MODELS", "ORBAX_PARAMS_DIR", "load_hf", "load_orbax", "load_stage_params", "resolve_model",
+           "save_hf", "save_orbax"]
 INDEX_FILE = "model.safetensors.index.json"
-ORBAX_PARAMS_DIR = "params"
 _ST_DTYPES: dict[str, Any] = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 # ------------------------------------------------------------------------------------- name mapping
@@ -138,26 +145,29 @@ def load_hf(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfig, 
     folder = Path(folder)
     config = LlamaConfig.from_pretrained(folder)
     tensors = _open_shards(folder)
-    expected = _expected_params(config)
     params: dict[str, Any] = {}
-    for path, leaf in _leaf_paths(expected):
-        layers = [None] if path[0] != "layers" else list(range(config.num_hidden_layers))
-        stacked = []
-        for layer in layers:
-            name, transpose = _hf_names(path, layer)
-            if name not in tensors:
-                raise ModelLoadError(f"{folder}: tensor {name!r} missing from the safetensors files")
-            array = tensors[name].get(name)
-            array = array.T if transpose else array
-            want = leaf.shape if layer is None else leaf.shape[1:]
-            if tuple(array.shape) != tuple(want):
-                raise ModelLoadError(f"{tensors[name].path}: tensor {name!r} has shape {list(array.shape)}, "
-                                     f"config.json implies {list(want)}")
-            stacked.append(array)
-        value = stacked[0] if layers == [None] else np.stack(stacked)
-        _set(params, path, jnp.asarray(value))
+    for path, leaf in _leaf_paths(_expected_params(config)):
+        layers = range(config.num_hidden_layers) if path[0] == "layers" else None
+        _set(params, path, jnp.asarray(_read_hf_leaf(tensors, folder, path, leaf.shape, layers)))
     return config, _cast(params, dtype)
 
+
+def _read_hf_leaf(tensors: dict[str, _SafetensorsFile], folder: Path, path: tuple[str, ...],
+                  shape: tuple[int, ...], layers: range | None) -> np.ndarray:
+    """One leaf of our tree from its HF tensor(s); a decoder leaf stacks `layers` on a leading axis."""
+    stacked = []
+    for layer in [None] if layers is None else layers:
+        name, transpose = _hf_names(path, layer)
+        if name not in tensors:
+            raise ModelLoadError(f"{folder}: tensor {name!r} missing from the safetensors files")
+        array = tensors[name].get(name)
+        array = array.T if transpose else array
+        want = shape if layer is None else shape[1:]
+        if tuple(array.shape) != tuple(want):
+            raise ModelLoadError(f"{tensors[name].path}: tensor {name!r} has shape {list(array.shape)}, "
+                                 f"config.json implies {list(want)}")
+        stacked.append(array)
+    return stacked[0] if layers is None else np.stack(stacked)
 
 def save_hf(folder: str | Path, params: Params, config: LlamaConfig) -> None:
     """Write config.json + model.safetensors that `transformers` loads (`from_pretrained(folder)`)."""
@@ -217,15 +227,65 @@ def load_orbax(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfi
 
 def resolve_model(name_or_path: str | Path, dtype: str | None = None
                   ) -> tuple[LlamaConfig, Params, Tokenizer | None]:
-    """'tiny' (bundled), an orbax folder from `save_orbax`, or a Hugging Face folder."""
-    folder = BUNDLED_MODELS.get(str(name_or_path), Path(name_or_path))
-    if not folder.is_dir():
-        raise ModelLoadError(f"{name_or_path}: neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
-                             "nor an existing folder")
-    if (folder / ORBAX_PARAMS_DIR).is_dir():
-        config, params = load_orbax(folder, dtype)
+    """The whole model: 'tiny' (bundled), an orbax folder from `save_orbax`, or a Hugging Face folder."""
+    spec = resolve_model_spec(name_or_path, dtype)
+    load = load_orbax if spec.format == "orbax" else load_hf
+    _, params = load(spec.folder, dtype)
+    return spec.config, params, spec.tokenizer
+
+
+# ------------------------------------------------------------------------------------ one stage
+
+
+def stage_leaves(config: LlamaConfig, is_first: bool, is_last: bool) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """The leaves (path, full shape) a stage needs: the layers, plus embedding / head at the ends."""
+    tied = config.tie_word_embeddings
+    for path, leaf in _leaf_paths(_expected_params(config)):
+        top = path[0]
+        if (top == "layers" or (top == "embed" and (is_first or (is_last and tied)))  # tied: embed is the head
+                or (top in ("norm", "lm_head") and is_last)):
+            yield path, leaf
+
+
+def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, is_last: bool) -> Params:
+    """Host (numpy) params of one pipeline stage, in `spec.config.dtype`; reads nothing else."""
+    start, end = layers
+    config = spec.config
+    if spec.format == "orbax":
+        read = _orbax_reader(spec.folder / ORBAX_PARAMS_DIR)
     else:
-        config, params = load_hf(folder, dtype)
-    if dtype not in (None, "auto"):
-        config = config.replace(dtype=dtype)
-    return config, params, load_tokenizer(folder, config)
+        tensors = _open_shards(spec.folder)
+
+        def read(path: tuple[str, ...], shape: tuple[int, ...], rows: range | None) -> np.ndarray:
+            return _read_hf_leaf(tensors, spec.folder, path, shape, rows)
+
+    target = _NP_DTYPES[config.dtype]
+    params: dict[str, Any] = {}
+    for path, leaf in stage_leaves(config, is_first, is_last):
+        rows = range(start, end) if path[0] == "layers" else None
+        _set(params, path, np.asarray(read(path, leaf.shape, rows)).astype(target, copy=False))
+    return params
+
+
+def _orbax_reader(params_dir: Path) -> Any:
+    import tensorstore as ts
+
+    if not params_dir.is_dir():
+        raise ModelLoadError(f"{params_dir}: orbax params directory not found")
+
+    def read(path: tuple[str, ...], shape: tuple[int, ...], rows: range | None) -> np.ndarray:
+        name = ".".join(path)
+        try:
+            array = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{params_dir}",
+                                                           "path": name}}).result()
+            part = array if rows is None else array[rows.start:rows.stop]
+            value = part.read().result()
+        except Exception as e:  # tensorstore raises ValueError subclasses with the storage's own words
+            raise ModelLoadError(f"{params_dir}: cannot read {name} ({e})") from None
+        want = shape if rows is None else (len(rows), *shape[1:])
+        if tuple(value.shape) != tuple(want):
+            raise ModelLoadError(f"{params_dir}: {name} has shape {list(value.shape)}, config.json implies "
+                                 f"{list(want)}")
+        return value
+
+    return read

@@ -22,12 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
 from jaxcpp.kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
 from jaxcpp.models.config import LlamaConfig
 
 Params = dict[str, Any]
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
 # attend(q [..., T, H, Dh], k [..., T, Hkv, Dh], v [..., T, Hkv, Dh]) -> (out [..., T, H, Dh], aux)
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 

@@ -101,7 +101,7 @@ def _join(deltas: list[Delta]) -> Completion:
 def _model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
     return ModelInfo(name=msg.name, architecture=msg.architecture, vocab_size=msg.vocab_size,
                      max_model_len=msg.max_model_len, num_layers=msg.num_layers, hidden_size=msg.hidden_size,
-                     dtype=msg.dtype, block_size=msg.block_size,
+                     dtype=msg.dtype, page_size=msg.page_size,
                      max_num_batched_tokens=msg.max_num_batched_tokens,
                      pipeline_parallel_size=msg.pipeline_parallel_size,
                      tensor_parallel_size=msg.tensor_parallel_size, eos_token_ids=tuple(msg.eos_token_ids))

@@ -32,7 +32,7 @@ _STATS_INTERVAL_S = 0.05  # refresh the metrics' stats snapshot at most this oft
 
 
 class Engine(Protocol):
-    """What the server needs from `jaxcpp.engine.LLMEngine` (tests use a fake)."""
+    """What the server needs from `jaxcpp.engine.LLMEngine` (tests run it on a fake executor)."""
 
     tokenizer: Any
 
@@ -42,6 +42,7 @@ class Engine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def model_info(self) -> ModelInfo: ...
+    def close(self) -> None: ...
 
 
 class _Command:
@@ -79,12 +80,14 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Abort what is left, stop the thread and wait for it."""
+        """Abort what is left, stop the thread and wait for it, then close the engine."""
         if self._thread.is_alive():
             self.submit(self._abort_all)
             self._commands.put(None)
             self._closed = True
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # -- commands (any thread) -------------------------------------------------------------------
     def submit(self, fn: Callable[[], T]) -> Future[T]:

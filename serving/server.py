@@ -143,7 +143,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
         return pb.GetModelInfoResponse(
             name=info.name, architecture=info.architecture, vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, num_layers=info.num_layers, hidden_size=info.hidden_size,
-            dtype=info.dtype, block_size=info.block_size,
+            dtype=info.dtype, page_size=info.page_size,
             max_num_batched_tokens=info.max_num_batched_tokens,
             pipeline_parallel_size=info.pipeline_parallel_size,
             tensor_parallel_size=info.tensor_parallel_size,

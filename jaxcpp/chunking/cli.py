@@ -16,7 +16,8 @@ from typing import Any
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import chunk_times, predicted_ttft
-from jaxcpp.chunking.planner import ChunkSettings, plan_chunks, plan_fixed, stage_weights_from_layers
+from jaxcpp.chunking.planner import ChunkSettings, plan_fixed, stage_weights_from_layers
+from jaxcpp.chunking.policy import plan_chunks
 
 
 def add_parser(subparsers: Any) -> None:
@@ -48,7 +49,7 @@ def _settings(args: argparse.Namespace) -> ChunkSettings:
     if args.pp_partition:
         weights = stage_weights_from_layers([int(v) for v in args.pp_partition.split(",")])
     return ChunkSettings(budget=args.max_num_batched_tokens, smooth_factor=args.smooth_factor,
-                         min_chunk_size=args.min_chunk_size, block_size=args.block_size,
+                         min_chunk_size=args.min_chunk_size, page_size=args.block_size,
                          pipeline_parallel_size=args.pipeline_parallel_size, stage_weights=weights)
 
 

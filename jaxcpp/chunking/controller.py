@@ -3,18 +3,22 @@
 Contract (the scheduler calls, in this order each step):
 - `observe_step(num_prefill_sources)`: once per step, before sizing, with the number of requests that
   could prefill now (running partial prefills + waiting requests that can prefill).
-- `chunk_size_for(request_id, prompt_len, num_computed_tokens, budget) -> int`: the chunk to schedule
-  for that request, never more than `budget` (what is left of this step's token budget) or the rest of
-  the prompt; pass `single_forward=True` for a prefill that must go in one forward.
-- `record_timing(chunk, prefix, seconds, batch_is_sole_prefill, request_id)`: when a batch's forward
-  time is known (the model call only, on the stage the engine times); ignored unless calibrating.
+- `chunk_size_for(request_id, prompt_len, num_computed_tokens, budget_left, step_tokens=0) -> int`: the
+  chunk to schedule for that request, never more than `budget_left` (what is left of this step's token
+  budget) or the rest of the prompt; pass `single_forward=True` for a prefill that must go in one
+  forward. A chunk it sizes on purpose is cut so that the whole step (`step_tokens` already in it, e.g.
+  decodes, plus the chunk) is a compiled bucket: such a chunk is never padded.
+- `record_timing(num_tokens, prefix, seconds, batch_is_sole_prefill, request_id)`: when a batch's
+  forward time is known (the model call only; `num_tokens` is the padded size that ran); ignored
+  unless calibrating.
 - `finish_request(request_id)`: forget per-request state.
-`prefill_chunk(seq, budget)` and `observe_step` make it a `jaxcpp.scheduler.ChunkSizer` as it stands.
+`prefill_chunk(seq, budget_left, step_tokens)` and `observe_step` make it a `jaxcpp.scheduler.ChunkSizer`.
 Start-up: `startup_sweep_sizes()` then `run_startup_sweep(forward)` (or `set_startup_fit(b, c)`).
-Reporting: `report_counts()` returns and resets the counters; `format_report` makes the log line.
-`head_waits_for_ack` tells the PP head to wait for the last stage on middle prefill chunks.
+Reporting: `stats()` (state, policy, coefficients), `report()` (the periodic log line; `report_counts()`
+returns and resets its counters). `needs_ack` tells the PP head to wait for the last stage's
+acknowledgement of middle prefill chunks.
 
-States: "off" (disabled or not applicable), "calibrating", "installed", "gave_up". Off and gave_up keep
+States (`ChunkingState`): off (disabled or not applicable), calibrating, installed, gave_up. Off and gave_up keep
 fixed chunking for good; calibrating gives each newly admitted sole prefill a base chunk alternating
 between the budget and max(budget / 4, min chunk), kept for the whole prompt; installed sizes chunks
 with the policy ("equal-latency" per step, "optimal" planned at admission, "fixed").
@@ -22,6 +26,8 @@ with the policy ("equal-latency" per step, "optimal" planned at admission, "fixe
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -37,19 +43,26 @@ from jaxcpp.chunking.gate import SolePrefillGate
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.optimal import plan_optimal
 from jaxcpp.chunking.planner import (
-    POLICIES,
     ChunkSettings,
     equal_latency_chunk,
     fit_budget,
     snap_down,
     stage_weights_from_layers,
 )
+from jaxcpp.chunking.policy import check_policy
 
 if TYPE_CHECKING:
     from jaxcpp.config import EngineConfig
 
 logger = logging.getLogger("jaxcpp.chunking")
 COUNTERS = ("model", "calibration", "fixed_unreachable", "fixed_concurrent")
+
+
+class ChunkingState(enum.StrEnum):
+    OFF = "off"
+    CALIBRATING = "calibrating"
+    INSTALLED = "installed"
+    GAVE_UP = "gave_up"
 
 
 def format_report(counts: dict[str, int]) -> str:
@@ -65,8 +78,7 @@ class DynamicChunkController:
     def __init__(self, settings: ChunkSettings, *, policy: str = "equal-latency", enabled: bool = True,
                  model: LatencyModel | None = None, max_model_len: int | None = None,
                  runs_prefills: bool = True) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown chunking policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        check_policy(policy)
         self.settings = settings
         self.policy = policy
         self.max_model_len = max_model_len
@@ -79,10 +91,10 @@ class DynamicChunkController:
         self._admitted = 0
         self._rejections_logged = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
-        self.state = "calibrating" if enabled else "off"
+        self.state = ChunkingState.CALIBRATING if enabled else ChunkingState.OFF
         if enabled:
             self._check_applicable(runs_prefills)
-        if model is not None and self.state != "off":
+        if model is not None and self.state != ChunkingState.OFF:
             self.install(model)
 
     @classmethod
@@ -102,7 +114,7 @@ class DynamicChunkController:
             budget=config.scheduler.max_num_batched_tokens,
             smooth_factor=chunking.dynamic_chunking_smooth_factor,
             min_chunk_size=chunking.dynamic_chunking_min_chunk_size,
-            block_size=config.cache.block_size,
+            page_size=config.cache.page_size,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             allowed_sizes=allowed_sizes, stage_weights=weights)
         return cls(settings, policy=chunking.dynamic_chunking_policy,
@@ -112,7 +124,7 @@ class DynamicChunkController:
     # ----- start-up ---------------------------------------------------------------------------------
     def startup_sweep_sizes(self) -> list[int]:
         """Chunk sizes for the attention-free sweep; empty (and gave up, logged) when there is no baseline."""
-        if self.state != "calibrating":
+        if self.state != ChunkingState.CALIBRATING:
             return []
         plan = startup_sweep_sizes(self.settings, self.max_model_len)
         if not plan.sizes:
@@ -137,34 +149,37 @@ class DynamicChunkController:
     # ----- per step ---------------------------------------------------------------------------------
     def observe_step(self, num_prefill_sources: int) -> None:
         self.gate.observe(num_prefill_sources)
-        if self.state == "calibrating":
+        if self.state == ChunkingState.CALIBRATING:
             self.calibrator.tick()
             self._after_calibration()
 
-    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int, budget: int,
-                       *, single_forward: bool = False) -> int:
+    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int, budget_left: int,
+                       *, single_forward: bool = False, step_tokens: int = 0) -> int:
         remaining = prompt_len - num_computed_tokens
-        fixed = max(min(self.settings.budget, budget, remaining), 0)
-        if self.state in ("off", "gave_up") or remaining <= 0 or single_forward:
+        fixed = max(min(self.settings.budget, budget_left, remaining), 0)
+        if self.state in (ChunkingState.OFF, ChunkingState.GAVE_UP) or remaining <= 0 or single_forward:
             return fixed
         if not self.gate.is_open:
             self._counts["fixed_concurrent"] += 1
             return fixed
-        if self.state == "calibrating":
+        if self.state == ChunkingState.CALIBRATING:
             self._counts["calibration"] += 1
-            return min(self._base_for(request_id, num_computed_tokens), budget, remaining)
-        return self._model_chunk(request_id, prompt_len, num_computed_tokens, budget, fixed)
+            chunk = min(self._base_for(request_id, num_computed_tokens), budget_left, remaining)
+        else:
+            chunk = self._model_chunk(request_id, prompt_len, num_computed_tokens, budget_left, fixed)
+        return self._unpadded(chunk, remaining, step_tokens)
 
-    def prefill_chunk(self, seq: Any, budget: int) -> int:
+    def prefill_chunk(self, seq: Any, budget_left: int, step_tokens: int = 0) -> int:
         """The `jaxcpp.scheduler.ChunkSizer` form: seq has request_id, num_computed_tokens, num_remaining."""
         done = seq.num_computed_tokens
-        return self.chunk_size_for(seq.request_id, done + seq.num_remaining, done, budget)
+        return self.chunk_size_for(seq.request_id, done + seq.num_remaining, done, budget_left,
+                                   step_tokens=step_tokens)
 
-    def record_timing(self, chunk: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
+    def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
                       request_id: Hashable) -> None:
-        if self.state != "calibrating" or not batch_is_sole_prefill:
+        if self.state != ChunkingState.CALIBRATING or not batch_is_sole_prefill:
             return
-        self.calibrator.record(chunk, prefix, seconds, request_id)
+        self.calibrator.record(num_tokens, prefix, seconds, request_id)
         self._after_calibration()
 
     def finish_request(self, request_id: Hashable) -> None:
@@ -173,14 +188,22 @@ class DynamicChunkController:
 
     # ----- state ------------------------------------------------------------------------------------
     def install(self, model: LatencyModel) -> None:
-        self.model, self.state = model, "installed"
+        self.model, self.state = model, ChunkingState.INSTALLED
         self._bases.clear()
         logger.info("Dynamic chunking latency model installed: %s", model.describe())
 
     @property
-    def head_waits_for_ack(self) -> bool:
+    def needs_ack(self) -> bool:
         """The PP head waits for the last stage to acknowledge middle prefill chunks in these states."""
-        return self.state in ("calibrating", "installed")
+        return self.state in (ChunkingState.CALIBRATING, ChunkingState.INSTALLED)
+
+    def stats(self) -> dict[str, Any]:
+        """State, policy and (once installed) the latency model's coefficients, for stats and metrics."""
+        coeffs = {} if self.model is None else dataclasses.asdict(self.model)
+        return {"state": self.state.value, "policy": self.policy, **coeffs}
+
+    def report(self) -> str:
+        return format_report(self.report_counts())
 
     def report_counts(self) -> dict[str, int]:
         counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
@@ -200,11 +223,11 @@ class DynamicChunkController:
 
     def _turn_off(self, why: str) -> None:
         logger.warning("Dynamic chunking turned off: %s; keeping fixed chunking", why)
-        self.state = "off"
+        self.state = ChunkingState.OFF
 
     def _give_up(self, why: str) -> None:
         logger.warning("Dynamic chunking calibration gave up: %s; keeping fixed chunking", why)
-        self.state = "gave_up"
+        self.state = ChunkingState.GAVE_UP
         self._bases.clear()
 
     def _after_calibration(self) -> None:
@@ -227,6 +250,15 @@ class DynamicChunkController:
             self._admitted += num_computed_tokens == 0
             self._bases[request_id] = base
         return base
+
+    def _unpadded(self, chunk: int, remaining: int, step_tokens: int) -> int:
+        """A chunk sized on purpose, cut so that the step it joins (`step_tokens` + chunk) is exactly a
+        bucket: with decodes in the step, a bucket-sized chunk would otherwise run the next bucket up.
+        The prompt's last chunk (the remainder) is left whole: cutting it would only add a step."""
+        if step_tokens == 0 or chunk >= remaining:
+            return chunk
+        step = snap_down(step_tokens + chunk, self.settings)
+        return step - step_tokens if step > step_tokens else chunk
 
     def _model_chunk(self, request_id: Hashable, prompt_len: int, done: int, budget: int, fixed: int) -> int:
         assert self.model is not None

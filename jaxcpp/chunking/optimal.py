@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import chunk_times, makespan
-from jaxcpp.chunking.planner import ChunkSettings, chunk_sizes_between, plan_chunks
+from jaxcpp.chunking.planner import ChunkSettings, chunk_sizes_between, plan_equal_latency
 
 _GRID_POINTS = 160
 
@@ -149,7 +149,7 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
     if todo <= sizes[0]:
         return [todo]
     fixed = fixed_plans(prompt_len, start, sizes)
-    equal = np.array([plan_chunks("equal-latency", prompt_len, settings, model, start)], dtype=np.int64)
+    equal = np.array([plan_equal_latency(prompt_len, settings, model, start)], dtype=np.int64)
     fixed_times = chunk_times(model, fixed, start)
     tau_lo = float(model.predict(float(start), float(sizes[0])))
     tau_hi = max(float(fixed_times.max()), tau_lo)

@@ -1,13 +1,14 @@
-"""Chunk sizing: the per-step equal-latency solver (ATOM's rule), fixed chunks, and one entry point.
+"""Chunk sizing: the per-step equal-latency solver (ATOM's rule) and fixed chunks.
 
-How the pieces move: `next_chunk_size` is the chunk of the sole prefilling request at one step;
-`plan_chunks` replays it until the prompt is done, which is what the CLI, the simulator and the tests
-use. The scheduler's controller (`controller.py`) calls `equal_latency_chunk` itself, to count where
-each chunk came from, and caches `optimal` plans. The `optimal` policy plans the whole prompt at once
-in `optimal.py` and is reached through the same two functions.
+How the pieces move: `equal_latency_chunk` is the chunk of the sole prefilling request at one step;
+`plan_equal_latency` replays it until the prompt is done. The `optimal` policy plans the whole prompt at
+once in `optimal.py`; `policy.py` is the one entry point over all three policies (the CLI, the simulator
+and the tests use it). The scheduler's controller (`controller.py`) calls `equal_latency_chunk` itself,
+to count where each chunk came from, and caches `optimal` plans.
 
 Every chunk the solver picks is snapped DOWN to an allowed size: the largest compiled token bucket not
-above it when the engine passes its buckets, else a multiple of the alignment max(block_size, 64).
+above it when the engine passes its buckets, else a multiple of the alignment max(page_size, 64)
+(`jaxcpp.buckets.token_alignment`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from jaxcpp.buckets import token_alignment
 from jaxcpp.chunking.latency_model import LatencyModel
 
 POLICIES = ("fixed", "equal-latency", "optimal")
@@ -30,7 +32,7 @@ class ChunkSettings:
     budget: int                            # --max-num-batched-tokens: first, reference and largest chunk
     smooth_factor: float = 0.75            # 0 = fixed chunks, 1 = the solved equal-latency chunk
     min_chunk_size: int = 4096
-    block_size: int = 16
+    page_size: int = 16
     pipeline_parallel_size: int = 1
     allowed_sizes: tuple[int, ...] | None = None   # compiled token buckets, ascending
     stage_weights: tuple[float, ...] | None = None  # per-stage time relative to the model, for uneven PP
@@ -40,16 +42,16 @@ class ChunkSettings:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if not 0.0 <= self.smooth_factor <= 1.0:
             raise ValueError(f"smooth factor must be in [0, 1], got {self.smooth_factor}")
-        if self.allowed_sizes is not None:
-            sizes = tuple(sorted(set(int(s) for s in self.allowed_sizes if s >= 1)))
-            object.__setattr__(self, "allowed_sizes", sizes)
+        sizes = self.allowed_sizes
+        if sizes is not None and (not sizes or sizes[0] < 1 or list(sizes) != sorted(set(sizes))):
+            raise ValueError(f"allowed sizes must be positive and strictly ascending, got {sizes}")
         if self.stage_weights is not None and len(self.stage_weights) != self.pipeline_parallel_size:
             raise ValueError(f"{len(self.stage_weights)} stage weights for "
                              f"{self.pipeline_parallel_size} pipeline stages")
 
     @property
     def alignment(self) -> int:
-        return max(self.block_size, 64)
+        return token_alignment(self.page_size)
 
 
 def stage_weights_from_layers(layers: list[int]) -> tuple[float, ...]:
@@ -131,27 +133,6 @@ def equal_latency_chunk(model: LatencyModel, prefix_len: int, budget: int,
     return ChunkChoice(size, "model")
 
 
-def next_chunk_size(policy: str, model: LatencyModel | None, prompt_len: int, num_computed_tokens: int,
-                    budget: int, settings: ChunkSettings) -> int:
-    """The chunk to schedule now for a prompt with `num_computed_tokens` already scheduled.
-
-    Stateless: `optimal` replans the rest of the prompt on every call (the controller caches its plans).
-    """
-    remaining = prompt_len - num_computed_tokens
-    if remaining <= 0 or budget <= 0:
-        return 0
-    if policy == "fixed" or model is None:
-        return min(settings.budget, budget, remaining)
-    if policy == "equal-latency":
-        return min(equal_latency_chunk(model, num_computed_tokens, budget, settings).size, remaining)
-    if policy == "optimal":
-        from jaxcpp.chunking.optimal import plan_optimal
-
-        first = plan_optimal(model, prompt_len, settings, start=num_computed_tokens)[0]
-        return fit_budget(first, budget, remaining, settings)
-    raise ValueError(f"unknown chunking policy {policy!r}; expected one of {', '.join(POLICIES)}")
-
-
 def fit_budget(chunk: int, budget: int, remaining: int, settings: ChunkSettings) -> int:
     """A planned chunk cut to what is left of this step's budget: snapped down, else the fixed chunk."""
     if chunk <= budget:
@@ -168,19 +149,12 @@ def plan_fixed(prompt_len: int, chunk: int, start: int = 0) -> list[int]:
     return [chunk] * full + ([rest] if rest else [])
 
 
-def plan_chunks(policy: str, prompt_len: int, settings: ChunkSettings,
-                model: LatencyModel | None = None, start: int = 0) -> list[int]:
-    """Every chunk of one prompt, prefilled alone with the full budget each step."""
-    if policy == "fixed" or model is None:
-        return plan_fixed(prompt_len, settings.budget, start)
-    if policy == "optimal":
-        from jaxcpp.chunking.optimal import plan_optimal
-
-        return plan_optimal(model, prompt_len, settings, start=start)
+def plan_equal_latency(prompt_len: int, settings: ChunkSettings, model: LatencyModel, start: int = 0) -> list[int]:
+    """ATOM's rule replayed over one prompt prefilled alone with the full budget each step."""
     chunks: list[int] = []
     done = start
     while done < prompt_len:
-        chunk = next_chunk_size(policy, model, prompt_len, done, settings.budget, settings)
+        chunk = min(equal_latency_chunk(model, done, settings.budget, settings).size, prompt_len - done)
         chunks.append(chunk)
         done += chunk
     return chunks

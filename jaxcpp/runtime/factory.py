@@ -1,47 +1,25 @@
-"""Load a model for the engine and build the executor that runs it.
+"""Build the executor for a planned engine: check devices, load each stage's own layers, place them.
 
-Sizes that follow from the model and the flags are decided here once: the max model length, the
-pages per sequence, the number of KV pages, the token buckets.
+The head has already sized everything (`jaxcpp.sizing.EngineSizing`); this is the device side's half,
+the only module the engine imports lazily to get a real executor.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
 
 import jax
-import numpy as np
 
-from jaxcpp.buckets import token_buckets
-from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.config import EngineConfig
 from jaxcpp.kernels.backend import select_attention
-from jaxcpp.models.checkpoint import resolve_model
-from jaxcpp.models.config import LlamaConfig
-from jaxcpp.runtime.executor import Executor, SingleDeviceExecutor
-from jaxcpp.runtime.mesh import stage_layers
-from jaxcpp.runtime.model_runner import ModelRunner
-from jaxcpp.tokenizer import Tokenizer
+from jaxcpp.models.checkpoint import load_stage_params
+from jaxcpp.runtime.mesh import make_mesh, stage_mesh
+from jaxcpp.runtime.pipeline import PipelineExecutor
+from jaxcpp.runtime.stage import Stage
+from jaxcpp.sizing import EngineSizing
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    name: str
-    config: LlamaConfig
-    params: Any
-    tokenizer: Tokenizer
-    dtype_name: str
-    max_model_len: int
-    pages_per_seq: int
-    num_pages: int
-    token_buckets: list[int]
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.config.eos_token_ids)
 
 
 def enable_compilation_cache() -> None:
@@ -53,53 +31,18 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def build_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:
+    """P stages (P = 1 is the single-device case), each loading only its layers from the checkpoint."""
     enable_compilation_cache()
-    model_config, params, tokenizer = resolve_model(config.model.model, config.model.dtype)
-    # Host copies: staging places them, so no full copy lingers on device 0.
-    params = jax.tree_util.tree_map(np.asarray, params)
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    max_model_len = config.model.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
-                          f"{model_config.max_position_embeddings}")
-    page_size = config.cache.block_size
-    pages_per_seq = -(-max_model_len // page_size)
-    num_pages = _num_pages(config, model_config, pages_per_seq, dtype.itemsize)
-    buckets = token_buckets(config.scheduler.max_num_batched_tokens, page_size)
-    return LoadedModel(config.model.model, model_config, params, tokenizer, str(dtype), max_model_len,
-                       pages_per_seq, num_pages, buckets)
-
-
-def _num_pages(config: EngineConfig, model: LlamaConfig, pages_per_seq: int, itemsize: int) -> int:
-    if config.cache.num_pages is not None:
-        num_pages = config.cache.num_pages
-    else:
-        page_bytes = (2 * _largest_stage_layers(config, model) * config.cache.block_size
-                      * model.num_key_value_heads * model.head_dim * itemsize)
-        budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, page_bytes)
-        # More pages than every sequence at full length can use would only waste memory.
-        num_pages = min(budget, config.scheduler.max_num_seqs * pages_per_seq + 1)
-    if num_pages < pages_per_seq + 1:
-        raise ConfigError(f"--num-pages: {num_pages} pages cannot hold one sequence of --max-model-len "
-                          f"({pages_per_seq} pages of {config.cache.block_size} tokens, plus the reserved page)")
-    return num_pages
-
-
-def _largest_stage_layers(config: EngineConfig, model: LlamaConfig) -> int:
-    """Every stage holds the same number of pages, so the stage with the most layers sizes them."""
-    p = config.parallel
-    partition = p.partition_list() if p.pp_partition is not None else None
-    return max(end - start for start, end in stage_layers(model.num_hidden_layers, p.pipeline_parallel_size,
-                                                          partition))
-
-
-def build_executor(config: EngineConfig, model: LoadedModel) -> Executor:
     attention_fn = select_attention(config.model.attention_backend)
     p = config.parallel
-    if p.pipeline_parallel_size * p.tensor_parallel_size > 1:
-        from jaxcpp.runtime.pipeline import build_pipeline_executor
-
-        return build_pipeline_executor(config, model, attention_fn)
-    runner = ModelRunner(model.config, model.params, model.num_pages, config.cache.block_size, attention_fn)
-    return SingleDeviceExecutor(runner)
+    num_stages = p.pipeline_parallel_size
+    mesh = make_mesh(num_stages, p.tensor_parallel_size)
+    stages = []
+    for s, layers in enumerate(sizing.layers):
+        is_first, is_last = s == 0, s == num_stages - 1
+        params = load_stage_params(sizing.spec, layers, is_first, is_last)  # host memory: this stage only
+        stages.append(Stage(s, num_stages, stage_mesh(mesh, s), sizing.spec.config, params, layers,
+                            sizing.num_pages, sizing.page_size, attention_fn))
+        log.info("stage %d/%d loaded: layers %d-%d", s + 1, num_stages, layers[0], layers[1] - 1)
+    return PipelineExecutor(stages, p.trace_file)

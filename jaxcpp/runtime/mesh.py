@@ -2,7 +2,6 @@
 
     mesh = make_mesh(P, T)              # P x T devices, checked against what this process sees
     stage_mesh(mesh, s)                 # stage s's devices as a 1-D ("tp",) mesh
-    stage_layers(num_layers, P, parts)  # [(start, end), ...]: the decoder layers each stage runs
 
 Everything a stage owns (its params, its KV pages, its programs) lives on its own row of the mesh;
 tensor parallelism happens inside a row, the pipeline between rows.
@@ -45,26 +44,3 @@ def make_mesh(pp: int, tp: int, devices: Sequence[Any] | None = None) -> Mesh:
 def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
     """Stage `stage`'s row of the mesh as a 1-D ("tp",) mesh: its params, pages and programs live here."""
     return Mesh(mesh.devices[stage], ("tp",))
-
-
-def stage_layers(num_layers: int, pp: int, partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """[start, end) of the decoder layers of each stage.
-
-    `partition` (`--pp-partition`) gives the layers per stage; by default the split is as even as it
-    can be, with the extra layers on the *later* stages (the last stage also runs the LM head and the
-    sampler, yet later stages wait less in a filling pipe, which measured better in ATOM, e.g. 15,15,15,16).
-    """
-    if num_layers < pp:
-        raise ConfigError(f"--pipeline-parallel-size: {pp} stages need at least {pp} decoder layers, "
-                          f"the model has {num_layers}")
-    if partition is None:
-        base, extra = divmod(num_layers, pp)
-        partition = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
-    if len(partition) != pp:
-        raise ConfigError(f"--pp-partition: gives {len(partition)} stages but --pipeline-parallel-size "
-                          f"is {pp}")
-    if sum(partition) != num_layers or min(partition) < 1:
-        raise ConfigError(f"--pp-partition: {','.join(map(str, partition))} must be positive and sum to "
-                          f"the model's {num_layers} decoder layers")
-    bounds = np.cumsum([0, *partition]).tolist()
-    return [(int(bounds[s]), int(bounds[s + 1])) for s in range(pp)]

@@ -5,8 +5,9 @@
     last stage:   activations -> layers[start:end] -> final norm -> logits at logits_indices -> sample
     (with P = 1 the one stage is both first and last)
 
-Each stage jits its own program (one per token bucket, by shape); params are arguments, the step's
-arrays arrive packed in one buffer (`jaxcpp.runtime.packing`; every stage gets the same one), the KV
+Each stage jits its own program (one per token bucket, by shape); params are arguments (the stage's
+own slice, loaded by `jaxcpp.models.checkpoint.load_stage_params`), the step's arrays arrive packed in
+one buffer (`jaxcpp.step_input.pack`; every stage gets the same one), the KV
 pages are donated and stay sharded as they came in, activations leave replicated over the stage's "tp"
 axis so the next stage can take them with one `device_put`. The model code is the plain functional API
 (`embed`, `run_layers`, `compute_logits`); the stage only slices and places what it is given.
@@ -20,12 +21,31 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxcpp.kernels.metadata import AttentionMetadata
+from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.models.config import LlamaConfig
-from jaxcpp.runtime.model_runner import StepOutput, attention_metadata, logits_and_sample
-from jaxcpp.runtime.packing import Layout, unpack
+from jaxcpp.runtime.packing import unpack
+from jaxcpp.runtime.sampler import sample
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
+from jaxcpp.step_input import Layout
+
+
+class StepOutput(NamedTuple):
+    tokens: jax.Array  # [S] int32: the sampled token of each sequence (padding rows: garbage)
+    logits: jax.Array  # [S, V] float32: fetched only when the step asked for them
+
+
+def attention_metadata(batch: dict[str, jax.Array]) -> AttentionMetadata:
+    return AttentionMetadata(*(batch[name] for name in AttentionMetadata._fields))
+
+
+def logits_and_sample(params: llama.Params, hidden: jax.Array, batch: dict[str, jax.Array],
+                      config: LlamaConfig) -> StepOutput:
+    """The step's tail: each sequence's last hidden state ([T, D] -> [S, D]) -> logits -> a token."""
+    logits = llama.compute_logits(params, hidden[batch["logits_indices"]], config)
+    tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
+                    batch["seeds"], batch["steps"])
+    return StepOutput(tokens, logits)
 
 
 class StageInput(NamedTuple):
@@ -33,36 +53,22 @@ class StageInput(NamedTuple):
     layout: Layout     # how to cut it apart (static: one per bucket)
 
 
-def stage_params(params: llama.Params, start: int, end: int, is_first: bool, is_last: bool) -> llama.Params:
-    """The part of a (host) params tree a stage needs: its layers, plus embedding / head at the ends."""
-    out: llama.Params = {"layers": jax.tree_util.tree_map(lambda x: x[start:end], params["layers"])}
-    tied = "lm_head" not in params
-    if is_first or (is_last and tied):
-        out["embed"] = params["embed"]  # [V, D]; the last stage needs it as the LM head when tied
-    if is_last:
-        out["norm"] = params["norm"]
-        if not tied:
-            out["lm_head"] = params["lm_head"]
-    return out
-
-
 def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata) -> jax.Array:
-    """Attention skipped: the dummy forwards of the calibration sweep time everything else."""
+    """Attention skipped: the attention-free forwards of the calibration sweep time everything else."""
     return q * 0
 
 
 class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
-                 layers: tuple[int, int], num_pages: int, page_size: int,
-                 attention_fn: llama.AttentionFn) -> None:
+                 layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn) -> None:
+        """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`)."""
         self.index = index
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.mesh = mesh
         self.config = config
         self.layers = layers
         tp = mesh.shape["tp"]
-        host = stage_params(params, *layers, self.is_first, self.is_last)
-        self.params = jax.device_put(host, named(mesh, param_specs(host, config, tp)))
+        self.params = jax.device_put(params, named(mesh, param_specs(params, config, tp)))
         self.replicated = NamedSharding(mesh, REPLICATED)
         kv_sharding = NamedSharding(mesh, kv_spec(config, tp))
         self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding)
@@ -71,20 +77,20 @@ class Stage:
         make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
-        self._dummy_program: Any = None  # attention-free; built on first use (calibration only)
+        self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
 
     @property
     def devices(self) -> list[Any]:
         return list(self.mesh.devices.flat)
 
-    def _jit(self, attention_fn: llama.AttentionFn) -> Any:
+    def _jit(self, attention_fn: AttentionFn) -> Any:
         out = StepOutput(self.replicated, self.replicated) if self.is_last else self.replicated
         fn = functools.partial(self._forward, attention_fn=attention_fn)
         return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
                        out_shardings=(out, self._kv_shardings))
 
     def _forward(self, params: llama.Params, kv: llama.KVCache, hidden: jax.Array | None,
-                 packed: jax.Array, *, layout: Layout, attention_fn: llama.AttentionFn
+                 packed: jax.Array, *, layout: Layout, attention_fn: AttentionFn
                  ) -> tuple[Any, llama.KVCache]:
         batch = unpack(packed, layout)
         if self.is_first:
@@ -105,9 +111,10 @@ class Stage:
         out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, layout=batch.layout)
         return out
 
-    def run_dummy(self, batch: StageInput, hidden: jax.Array | None) -> Any:
+    def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
-        if self._dummy_program is None:
-            self._dummy_program = self._jit(zero_attention)
-        out, self.kv = self._dummy_program(self.params, self.kv, hidden, batch.packed, layout=batch.layout)
+        if self._attention_free_program is None:
+            self._attention_free_program = self._jit(zero_attention)
+        out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
+                                                    layout=batch.layout)
         return out

@@ -10,9 +10,8 @@ handed over by the previous stage), then on the output. A stage runs its micro-b
 is the time of the model call alone: staging the batch and the stage-to-stage transfer end before
 `inputs ready`, and queueing behind the previous micro-batch ends at its completion. One thread per
 stage (rather than one for the whole pipe) keeps a slow last stage from delaying what the watcher of
-stage 0 observes. When every stage of a micro-batch is timed, its forward time (the slowest stage's)
-becomes known, its timings go to the trace and, if the batch asked for it (`wait_for_last_stage`), its
-acknowledgement is sent.
+stage 0 observes. When every stage of a micro-batch is timed, its timings go to the trace and, if the
+batch was submitted with `ack`, the acknowledgement (those timings) is handed to the waiting head.
 
 Accuracy: a watcher that wakes late (the GIL, a busy CPU) sees inputs ready late, which shortens the
 forward it records; stage s is also never allowed to start before stage s-1 finished the same batch.
@@ -25,46 +24,32 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
+from jaxcpp.executor import ExecutorError, StageTiming
+
 log = logging.getLogger(__name__)
 
-MAX_KEPT = 100_000  # timings kept for forward_time() and timings(); older ones are dropped
+MAX_KEPT = 100_000  # timings kept for timings(); older ones are dropped
 
 
 @dataclass
-class StageBatch:
-    """The per-stage record of one micro-batch; it travels with the batch to the stage's watcher."""
+class DispatchedStage:
+    """What a stage's watcher waits on for one micro-batch (the arrays); its result is a StageTiming."""
 
     ticket: int
     stage: int
     num_tokens: int               # padded token count (the bucket)
-    wait_for_last_stage: bool     # the head waits for this batch's acknowledgement (every stage agrees)
+    ack: bool                     # the head waits for this batch's acknowledgement (every stage agrees)
     traced: bool                  # False for warm-up batches
     dispatched: float             # perf_counter() when the stage's program was dispatched
     inputs: Any                   # device arrays the program reads (never the donated KV pages)
     output: Any                   # device arrays it produces (the activations, or tokens + logits)
-
-
-@dataclass(frozen=True)
-class StageTiming:
-    ticket: int
-    stage: int
-    num_tokens: int
-    traced: bool
-    dispatched: float     # perf_counter() seconds
-    inputs_ready: float
-    start: float          # max(inputs_ready, dispatched, previous completion on the stage)
-    done: float
-
-    @property
-    def forward(self) -> float:
-        return self.done - self.start
 
 
 class TimingRecorder:
@@ -75,11 +60,11 @@ class TimingRecorder:
         self._on_timing = on_timing
         self._lock = threading.Lock()
         self._partial: dict[int, list[StageTiming]] = {}
-        self._forward: OrderedDict[int, float] = OrderedDict()
         self._acks: dict[int, threading.Event] = {}
-        self._errors: dict[int, BaseException] = {}
+        self._acked: dict[int, tuple[StageTiming, ...]] = {}
+        self._errors: dict[int, ExecutorError] = {}
         self._history: deque[StageTiming] = deque(maxlen=MAX_KEPT)
-        self._queues: list[queue.SimpleQueue[StageBatch | None]] = [
+        self._queues: list[queue.SimpleQueue[DispatchedStage | None]] = [
             queue.SimpleQueue() for _ in range(num_stages)]
         self._threads = [threading.Thread(target=self._watch, args=(s,), name=f"jaxcpp-stage{s}-watcher",
                                           daemon=True) for s in range(num_stages)]
@@ -87,30 +72,27 @@ class TimingRecorder:
             t.start()
 
     # ---- the engine loop's side ----------------------------------------------------------------
-    def watch(self, batches: list[StageBatch]) -> None:
+    def watch(self, stages: list[DispatchedStage]) -> None:
         """Hand one micro-batch's per-stage records to the watchers (never blocks)."""
-        if batches[0].wait_for_last_stage:
+        if stages[0].ack:
             with self._lock:
-                self._acks[batches[0].ticket] = threading.Event()
-        for batch in batches:
-            self._queues[batch.stage].put(batch)
+                self._acks[stages[0].ticket] = threading.Event()
+        for dispatched in stages:
+            self._queues[dispatched.stage].put(dispatched)
 
-    def wait_for_ack(self, ticket: int) -> None:
-        """Block until every stage has finished (and timed) the micro-batch `ticket`."""
+    def wait_for_ack(self, ticket: int) -> tuple[StageTiming, ...]:
+        """Block until every stage has finished (and timed) micro-batch `ticket`; its timings, stage order."""
         event = self._acks.get(ticket)
         if event is None:
-            raise KeyError(f"micro-batch {ticket} was not submitted with wait_for_last_stage=True")
+            raise KeyError(f"micro-batch {ticket} was not submitted with ack=True")
         event.wait()
         with self._lock:
             del self._acks[ticket]
             error = self._errors.pop(ticket, None)
+            timings = self._acked.pop(ticket, ())
         if error is not None:
             raise error
-
-    def forward_time(self, ticket: int) -> float | None:
-        """The slowest stage's forward time of micro-batch `ticket`, once every stage has been timed."""
-        with self._lock:
-            return self._forward.get(ticket)
+        return timings
 
     def timings(self) -> list[StageTiming]:
         with self._lock:
@@ -125,19 +107,19 @@ class TimingRecorder:
     # ---- the watcher threads -------------------------------------------------------------------
     def _watch(self, stage: int) -> None:
         last_done = 0.0
-        while (batch := self._queues[stage].get()) is not None:
+        while (item := self._queues[stage].get()) is not None:
             try:
-                jax.block_until_ready(batch.inputs)
+                jax.block_until_ready(item.inputs)
                 inputs_ready = time.perf_counter()
-                jax.block_until_ready(batch.output)
+                jax.block_until_ready(item.output)
                 done = time.perf_counter()
             except Exception as e:  # a failed program: the head learns of it when it reads the result
-                log.warning("stage %d, micro-batch %d failed: %s", stage, batch.ticket, e)
-                self._fail(batch.ticket, e)
+                log.warning("stage %d, micro-batch %d failed: %s", stage, item.ticket, e)
+                self._fail(item.ticket, ExecutorError(f"micro-batch {item.ticket} failed: {e}", stage=stage))
                 continue
-            start = max(inputs_ready, batch.dispatched, last_done)
+            start = max(inputs_ready, item.dispatched, last_done)
             last_done = done
-            self._record(StageTiming(batch.ticket, stage, batch.num_tokens, batch.traced, batch.dispatched,
+            self._record(StageTiming(item.ticket, stage, item.num_tokens, item.traced, item.dispatched,
                                      inputs_ready, start, done))
 
     def _record(self, timing: StageTiming) -> None:
@@ -149,17 +131,15 @@ class TimingRecorder:
             del self._partial[timing.ticket]
             parts = _in_stage_order(parts)
             self._history.extend(parts)
-            self._forward[timing.ticket] = max(t.forward for t in parts)
-            if len(self._forward) > MAX_KEPT:
-                self._forward.popitem(last=False)
             event = self._acks.get(timing.ticket)
             if event is not None:
+                self._acked[timing.ticket] = tuple(parts)
                 event.set()
         if self._on_timing is not None and timing.traced:
             for t in parts:
                 self._on_timing(t)
 
-    def _fail(self, ticket: int, error: BaseException) -> None:
+    def _fail(self, ticket: int, error: ExecutorError) -> None:
         with self._lock:
             self._partial.pop(ticket, None)
             event = self._acks.get(ticket)

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from jaxcpp.runtime.timing import StageTiming
+from jaxcpp.executor import StageTiming
 
 FLUSH_EVERY = 64  # events; the file is also flushed on close
 

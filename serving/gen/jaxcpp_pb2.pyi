@@ -79,7 +79,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "num_layers", "hidden_size", "dtype", "block_size", "max_num_batched_tokens", "pipeline_parallel_size", "tensor_parallel_size", "eos_token_ids", "server_version")
+    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "num_layers", "hidden_size", "dtype", "max_num_batched_tokens", "pipeline_parallel_size", "tensor_parallel_size", "eos_token_ids", "server_version", "page_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -87,12 +87,12 @@ class GetModelInfoResponse(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -100,13 +100,13 @@ class GetModelInfoResponse(_message.Message):
     num_layers: int
     hidden_size: int
     dtype: str
-    block_size: int
     max_num_batched_tokens: int
     pipeline_parallel_size: int
     tensor_parallel_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     server_version: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ...) -> None: ...
+    page_size: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -30,7 +30,7 @@ def prefill_alone(ctl, request_id, prompt_len, model=TRUE, budget=32768):
 def test_calibrates_by_alternating_bases_then_installs_and_logs(caplog):
     ctl = DynamicChunkController(SETTINGS)
     ctl.set_startup_fit(TRUE.b, TRUE.c)
-    assert ctl.state == "calibrating" and ctl.head_waits_for_ack
+    assert ctl.state == "calibrating" and ctl.needs_ack
     with caplog.at_level(logging.INFO, logger="jaxcpp.chunking"):
         assert prefill_alone(ctl, "r0", 131072) == [32768] * 4       # budget; discarded by calibration
         assert prefill_alone(ctl, "r1", 131072) == [8192] * 16       # max(budget / 4, min chunk)
@@ -101,7 +101,7 @@ def test_turns_off_when_not_applicable(caplog):
 def test_gives_up_without_a_startup_baseline_and_keeps_fixed_chunks():
     ctl = DynamicChunkController(ChunkSettings(budget=256, min_chunk_size=64, pipeline_parallel_size=2))
     ctl.run_startup_sweep(lambda n: 1e-6 * n)
-    assert ctl.state == "gave_up" and not ctl.head_waits_for_ack
+    assert ctl.state == "gave_up" and not ctl.needs_ack
     ctl.observe_step(1)
     assert ctl.chunk_size_for("r", 1000, 0, 256) == 256
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import makespan, predicted_ttft
 from jaxcpp.chunking.optimal import plan_optimal, planner_sizes
-from jaxcpp.chunking.planner import ChunkSettings, plan_chunks, plan_fixed
+from jaxcpp.chunking.planner import ChunkSettings, plan_fixed
+from jaxcpp.chunking.policy import plan_chunks
 
 
 def exhaustive_best(model: LatencyModel, prompt_len: int, s: ChunkSettings) -> float:

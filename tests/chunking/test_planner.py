@@ -6,16 +6,15 @@ from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.planner import (
     ChunkSettings,
     equal_latency_chunk,
-    next_chunk_size,
-    plan_chunks,
     plan_fixed,
     prefix_floor,
     raw_equal_latency_chunk,
     snap_down,
 )
+from jaxcpp.chunking.policy import next_chunk_size, plan_chunks
 
 CONFORMANCE_MODEL = LatencyModel(a=1.0, b=18500.0, c=0.0, gamma=1630.0)
-CONFORMANCE = ChunkSettings(budget=32768, smooth_factor=1.0, min_chunk_size=4096, block_size=16,
+CONFORMANCE = ChunkSettings(budget=32768, smooth_factor=1.0, min_chunk_size=4096, page_size=16,
                             pipeline_parallel_size=4)
 
 
@@ -85,9 +84,9 @@ def test_allowed_sizes_snap_down_to_the_largest_bucket_not_above():
     assert chunks[:3] == [32768, 12288, 12288]
 
 
-def test_alignment_is_max_of_block_size_and_64():
-    assert ChunkSettings(budget=512, block_size=16).alignment == 64
-    assert ChunkSettings(budget=512, block_size=256).alignment == 256
+def test_alignment_is_max_of_page_size_and_64():
+    assert ChunkSettings(budget=512, page_size=16).alignment == 64
+    assert ChunkSettings(budget=512, page_size=256).alignment == 256
 
 
 def test_fixed_policy_and_no_model_give_fixed_chunks():

@@ -5,7 +5,8 @@ import pytest
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import predicted_ttft
-from jaxcpp.chunking.planner import ChunkSettings, plan_chunks, plan_fixed
+from jaxcpp.chunking.planner import ChunkSettings, plan_fixed
+from jaxcpp.chunking.policy import plan_chunks
 from jaxcpp.chunking.simulator import (
     ClosedLoop,
     FixedPolicy,

@@ -26,8 +26,8 @@ def short_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(make_llm):
     """Every prompt alone, unchunked, in one forward."""
-    llm = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=1024, block_size=16)
-    prompts = [long_prompt(llm.engine.model.config.vocab_size), *short_prompts()]
+    llm = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=1024, page_size=16)
+    prompts = [long_prompt(llm.engine.sizing.spec.config.vocab_size), *short_prompts()]
     return {tuple(p): llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts}
 
 
@@ -39,13 +39,13 @@ def assert_same(out, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("chunk", [64, 128, 192, 512, "whole"])
-def test_chunked_equals_unchunked(reference, make_llm, block_size, chunk):
+def test_chunked_equals_unchunked(reference, make_llm, page_size, chunk):
     if chunk == "whole":
-        llm = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=1024, block_size=block_size)
+        llm = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=1024, page_size=page_size)
     else:
-        llm = make_llm(max_num_batched_tokens=chunk, block_size=block_size)
+        llm = make_llm(max_num_batched_tokens=chunk, page_size=page_size)
     long = next(p for p in reference if len(p) == PROMPT_LEN)
     # Short requests go first so they are decoding while the long prompt's chunks go through.
     outs = llm.generate(prompt_token_ids=[*short_prompts(), list(long)], sampling_params=GREEDY)

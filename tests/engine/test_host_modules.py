@@ -40,10 +40,11 @@ def test_page_allocator_reserves_page_zero_and_counts_refs():
     alloc = PageAllocator(4)
     pages = alloc.allocate(3)
     assert 0 not in pages and alloc.num_free == 0
-    alloc.share(pages[:1])
-    alloc.free(pages)
+    alloc.free(pages[1:])
     assert alloc.num_free == 2
     alloc.free(pages[:1])
     assert alloc.num_free == 3
+    with pytest.raises(AssertionError, match="freed twice"):
+        alloc.free(pages[:1])
     with pytest.raises(RuntimeError):
         alloc.allocate(4)

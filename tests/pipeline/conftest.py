@@ -40,7 +40,7 @@ def mqa_tied_model(tmp_path_factory) -> str:
 
 
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
-                       block_size=16, log_stats_interval_s=0)
+                       page_size=16, log_stats_interval_s=0)
 
 
 @pytest.fixture(scope="session")

@@ -9,9 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcpp.config import ConfigError, EngineConfig
 from jaxcpp.models.config import LlamaConfig
-from jaxcpp.runtime.mesh import check_devices, make_mesh, stage_layers, stage_mesh
+from jaxcpp.runtime.mesh import check_devices, make_mesh, stage_mesh
 from jaxcpp.runtime.sharding import kv_spec, layer_spec, param_specs
-from jaxcpp.runtime.stage import stage_params
+from jaxcpp.sizing import stage_layers
 
 
 def config(**kw) -> LlamaConfig:
@@ -80,13 +80,20 @@ def test_megatron_specs_and_fallback_to_replicated():
     assert layer_spec(("self_attn", "q_proj", "kernel"), c, 1) == P()
 
 
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_stage_params_split_embedding_head_and_layers(tied):
+def test_stage_params_split_embedding_head_and_layers(tied, fmt, tmp_path):
+    """Each stage reads only its own part of the checkpoint, in either format."""
+    from jaxcpp.models.checkpoint import load_stage_params, save_hf, save_orbax
     from jaxcpp.models.llama import init_params
+    from jaxcpp.models.spec import resolve_model_spec
 
     c = config(tie_word_embeddings=tied)
     params = jax.tree_util.tree_map(np.asarray, init_params(c, jax.random.key(0)))
-    first, middle, last = (stage_params(params, s, e, s == 0, e == 6) for s, e in [(0, 1), (1, 3), (3, 6)])
+    (save_hf if fmt == "hf" else save_orbax)(tmp_path, params, c)
+    spec = resolve_model_spec(tmp_path)
+    assert spec.format == fmt
+    first, middle, last = (load_stage_params(spec, (s, e), s == 0, e == 6) for s, e in [(0, 1), (1, 3), (3, 6)])
     assert set(first) == {"layers", "embed"}
     assert set(middle) == {"layers"}
     assert set(last) == ({"layers", "norm", "embed"} if tied else {"layers", "norm", "lm_head"})

@@ -1,38 +1,36 @@
 """The pipeline executor's contract: micro-batches in flight, FIFO collects that only wait when asked,
-timing probes, the trace, the lazily compiled dummy forwards."""
+timing probes, the trace, the lazily compiled attention-free forwards."""
 
 from __future__ import annotations
 
 import json
 import time
 
-import jax
 import numpy as np
 import pytest
 
 from jaxcpp import SamplingParams
 from jaxcpp.runtime import compile_guard
-from jaxcpp.runtime.model_runner import dummy_step
+from jaxcpp.step_input import padding_step
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def executor(make_pp_llm, random_model):
-    """A fresh 2-stage engine's executor (fresh: the dummy-forward test compiles into it)."""
+    """A fresh 2-stage engine's executor (fresh: the attention-free-forward test compiles into it)."""
     llm = make_pp_llm(model=random_model, pipeline_parallel_size=2)
     yield llm.engine.executor
     llm.engine.executor.close()
 
 
 def a_step(executor, num_tokens: int = 64):
-    max_num_seqs, pages_per_seq = executor._shape
-    return dummy_step(num_tokens, max_num_seqs, pages_per_seq)
+    return padding_step(num_tokens, executor._shape)
 
 
 def test_collect_retires_without_waiting_unless_asked(executor, monkeypatch):
     step = a_step(executor)
-    tickets = [executor.submit(step) for _ in range(executor.max_in_flight)]
+    tickets = [executor.submit(step, want_tokens=False) for _ in range(executor.max_in_flight)]
     with pytest.raises(RuntimeError, match="already in flight"):
         executor.submit(step)
     with pytest.raises(ValueError, match="FIFO"):
@@ -44,37 +42,40 @@ def test_collect_retires_without_waiting_unless_asked(executor, monkeypatch):
     monkeypatch.setattr(executor._timing, "wait_for_ack", never)
     results = [executor.collect(t) for t in tickets]
     # Nothing was fetched: a step of middle prefill chunks retires at the head at once.
-    assert all(isinstance(r._tokens, jax.Array) for r in results)
-    assert results[0].tokens.shape == (8,)  # reading the tokens is what waits
+    assert all(r.tokens is None and r.logits is None and r.timings == () for r in results)
+    monkeypatch.undo()
+    result = executor.collect(executor.submit(step))
+    assert isinstance(result.tokens, np.ndarray) and result.tokens.shape == (8,)  # host data only
 
 
-def test_wait_for_last_stage_makes_forward_time_known_at_collect(executor):
-    ticket = executor.submit(a_step(executor), wait_for_last_stage=True)
-    executor.collect(ticket)
-    seconds = executor.forward_time(ticket)
+def test_ack_returns_every_stages_timing_at_collect(executor):
+    ticket = executor.submit(a_step(executor), ack=True)
+    result = executor.collect(ticket)
+    seconds = result.forward_time
     assert seconds is not None and 0 <= seconds < 10
+    assert [t.stage for t in result.timings] == [0, 1] and all(t.ticket == ticket for t in result.timings)
     mine = [t for t in executor.timings() if t.ticket == ticket]
     assert [t.stage for t in mine] == [0, 1]
     assert all(t.dispatched <= t.start <= t.done for t in mine)
     assert max(t.forward for t in mine) == seconds
+    assert all(t.num_tokens == 64 for t in mine)  # the padded size that ran
 
 
-def test_forward_time_arrives_later_without_the_flag(executor):
+def test_timings_reach_the_history_later_without_ack(executor):
     ticket = executor.submit(a_step(executor))
     executor.collect(ticket)
     deadline = time.monotonic() + 30
-    while executor.forward_time(ticket) is None and time.monotonic() < deadline:
+    while len([t for t in executor.timings() if t.ticket == ticket]) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert executor.forward_time(ticket) is not None
+    assert [t.stage for t in executor.timings() if t.ticket == ticket] == [0, 1]
 
 
-def test_dummy_forward_compiles_lazily_once(executor):
-    compile_guard.install()
-    before = compile_guard.num_compilations()
-    first = executor.time_dummy_forward(64)
-    assert compile_guard.num_compilations() > before  # not part of warm-up: compiled on first use
+def test_attention_free_forward_compiles_lazily_once(executor):
+    before = executor.num_compilations()
+    first = executor.time_attention_free_forward(64)
+    assert executor.num_compilations() > before  # not part of warm-up: compiled on first use
     with compile_guard.forbid_compile():
-        again = executor.time_dummy_forward(64)
+        again = executor.time_attention_free_forward(64)
     assert first > 0 and again > 0
 
 

@@ -1,4 +1,4 @@
-"""Serving fixtures: gRPC servers on ephemeral loopback ports, around the fake engine (fast) or the
+"""Serving fixtures: gRPC servers on ephemeral loopback ports, around the real engine on a fake executor (fast) or the
 real engine on the bundled tiny model (one per session, shared: building it compiles every bucket)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from jaxcpp.config import ServerConfig
 from jaxcpp.serving.client import Client, Delta
 from jaxcpp.serving.server import ServerThread
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fakes import fake_engine
 
 MODEL = os.environ.get("JAXCPP_TEST_MODEL", "tiny")  # the bundled model unless told otherwise
 # Small enough to compile fast on 2 CPU cores, large enough for a 32-stream test.
@@ -53,7 +53,7 @@ def serve() -> Iterator[Callable[..., ServerThread]]:
 
 @pytest.fixture
 def fake_client(serve: Callable[..., ServerThread]) -> Iterator[Client]:
-    server = serve(FakeEngine())
+    server = serve(fake_engine())
     with Client(f"127.0.0.1:{server.port}", timeout=30) as client:
         yield client
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fakes import fake_engine
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 _spec = importlib.util.spec_from_file_location("benchmark_serving", _PATH)
@@ -41,7 +41,7 @@ def test_summary_and_goodput() -> None:
 
 
 def test_run_against_a_server(serve, tmp_path: Path) -> None:
-    server = serve(FakeEngine(max_model_len=1024))
+    server = serve(fake_engine(max_model_len=1024))
     out = tmp_path / "result.json"
     rc = bench.main(["run", "--target", f"127.0.0.1:{server.port}", "--num-prompts", "12", "--request-rate",
                      "200", "--max-concurrency", "4", "--random-input-len", "8", "--random-output-len", "6",

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from jaxcpp.serving.cli import build_parser, main
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fakes import expected_tokens, fake_engine
 
 
 def test_serve_takes_engine_and_server_flags() -> None:
@@ -33,11 +33,11 @@ def test_bad_server_flag_names_the_flag(capsys) -> None:
 
 
 def test_client_command(serve, capsys) -> None:
-    server = serve(FakeEngine())
+    server = serve(fake_engine())
     target = ["--target", f"127.0.0.1:{server.port}"]
     assert main(["client", "hello", *target, "--max-tokens", "6", "--stream"]) == 0
     out = capsys.readouterr()
-    assert out.out.strip() == bytes(FakeEngine.expected_tokens(list(b"hello"), 6)).decode()
+    assert out.out.strip() == bytes(expected_tokens(list(b"hello"), 6)).decode()
     assert "generated 6, finish length" in out.err
     assert main(["client", *target, "--prompt-token-ids", "1,2,3", "--max-tokens", "2"]) == 0
     assert main(["client", *target, "--health"]) == 0

@@ -15,13 +15,13 @@ import pytest
 from jaxcpp.serving import AsyncClient, Client
 from jaxcpp.serving.client import build_request
 from tests.serving.conftest import started_stream, wait_until
-from tests.serving.fake_engine import EOS, FakeEngine
+from tests.serving.fakes import EOS, expected_tokens, fake_engine
 
 
 def test_stream_gives_the_engines_tokens_and_text(fake_client: Client) -> None:
     prompt = list(b"hello")
     deltas = list(fake_client.stream(prompt, max_tokens=12, temperature=0, request_id="r1"))
-    expected = FakeEngine.expected_tokens(prompt, 12)
+    expected = expected_tokens(prompt, 12)
     assert [t for d in deltas for t in d.token_ids] == expected
     assert "".join(d.text for d in deltas) == bytes(expected).decode()
     assert all(d.request_id == "r1" and d.finish_reason is None for d in deltas[:-1])
@@ -31,7 +31,7 @@ def test_stream_gives_the_engines_tokens_and_text(fake_client: Client) -> None:
 
 
 def test_generate_joins_the_stream_and_reports_stop(serve) -> None:
-    server = serve(FakeEngine(eos_after=3))
+    server = serve(fake_engine(eos_after=3))
     with Client(f"127.0.0.1:{server.port}") as client:
         out = client.generate("hi", max_tokens=10)
     assert out.finish_reason == "stop" and out.token_ids[-1] == EOS and len(out.token_ids) == 3
@@ -39,10 +39,8 @@ def test_generate_joins_the_stream_and_reports_stop(serve) -> None:
 
 
 def test_utf8_characters_are_never_split(serve) -> None:
-    engine = FakeEngine()
-    server = serve(engine)
-    text = "héllo wörld €"  # 2- and 3-byte characters, streamed one byte a step by the fake's prefill
-    engine.expected_tokens = lambda prompt, n: list(text.encode())[:n]  # type: ignore[method-assign]
+    text = "héllo wörld €"  # 2- and 3-byte characters, generated one byte a step
+    server = serve(fake_engine(next_token=lambda last, position, generated: text.encode()[generated]))
     with Client(f"127.0.0.1:{server.port}") as client:
         deltas = list(client.stream("x", max_tokens=len(text.encode())))
     assert "".join(d.text for d in deltas) == text
@@ -81,7 +79,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(fake_client: Client, kwa
 
 
 def test_queue_full_is_resource_exhausted(serve) -> None:
-    server = serve(FakeEngine(step_delay_s=0.01), max_queue_size=2)
+    server = serve(fake_engine(step_delay_s=0.01), max_queue_size=2)
     with Client(f"127.0.0.1:{server.port}") as client:
         streams = [started_stream(client, "a") for _ in range(2)]
         with pytest.raises(grpc.RpcError) as err:
@@ -95,7 +93,7 @@ def test_queue_full_is_resource_exhausted(serve) -> None:
 
 
 def test_duplicate_request_id_in_flight_is_already_exists(serve) -> None:
-    server = serve(FakeEngine(step_delay_s=0.01))
+    server = serve(fake_engine(step_delay_s=0.01))
     with Client(f"127.0.0.1:{server.port}") as client:
         first = started_stream(client, "a", request_id="same")
         with pytest.raises(grpc.RpcError) as err:
@@ -105,7 +103,7 @@ def test_duplicate_request_id_in_flight_is_already_exists(serve) -> None:
 
 
 def test_cancel_mid_stream_aborts_within_a_step_and_frees_pages(serve) -> None:
-    engine = FakeEngine(step_delay_s=0.005)
+    engine = fake_engine(step_delay_s=0.005)
     server = serve(engine)
     with Client(f"127.0.0.1:{server.port}") as client:
         stream = started_stream(client)
@@ -119,7 +117,7 @@ def test_cancel_mid_stream_aborts_within_a_step_and_frees_pages(serve) -> None:
 
 
 def test_deadline_is_honoured_and_the_request_aborted(serve) -> None:
-    server = serve(FakeEngine(step_delay_s=0.01))
+    server = serve(fake_engine(step_delay_s=0.01))
     with Client(f"127.0.0.1:{server.port}") as client:
         with pytest.raises(grpc.RpcError) as err:
             client.generate("abc", max_tokens=400, timeout=0.3)
@@ -129,7 +127,7 @@ def test_deadline_is_honoured_and_the_request_aborted(serve) -> None:
 
 
 def test_oversized_message_is_resource_exhausted(serve) -> None:
-    server = serve(FakeEngine(), max_message_bytes=1024)
+    server = serve(fake_engine(), max_message_bytes=1024)
     with Client(f"127.0.0.1:{server.port}") as client:
         with pytest.raises(grpc.RpcError) as err:
             client.generate("x" * 2000, max_tokens=1)
@@ -139,7 +137,7 @@ def test_oversized_message_is_resource_exhausted(serve) -> None:
 
 
 def test_api_key_is_required_except_for_health(serve) -> None:
-    server = serve(FakeEngine(), api_key="s3cret")
+    server = serve(fake_engine(), api_key="s3cret")
     target = f"127.0.0.1:{server.port}"
     with Client(target) as anonymous, Client(target, api_key="wrong") as wrong:
         assert anonymous.health() == "SERVING"  # Kubernetes probes send no metadata
@@ -158,7 +156,7 @@ def test_tls(serve, tmp_path: Path) -> None:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                     "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    server = serve(FakeEngine(), tls_cert=str(cert), tls_key=str(key))
+    server = serve(fake_engine(), tls_cert=str(cert), tls_key=str(key))
     with Client(f"127.0.0.1:{server.port}", root_certificates=cert) as client:
         assert client.generate("x", max_tokens=3).num_generated_tokens == 3
     with Client(f"127.0.0.1:{server.port}", timeout=5) as plaintext:
@@ -176,12 +174,13 @@ def test_health_reflection_and_model_info(fake_client: Client) -> None:
     services = ProtoReflectionDescriptorDatabase(fake_client.channel).get_services()
     assert {"jaxcpp.v1.JaxcppService", "grpc.health.v1.Health"} <= set(services)
     info = fake_client.model_info()
-    assert (info.name, info.vocab_size, info.eos_token_ids) == ("fake", 257, (EOS,))
+    assert (info.name, info.vocab_size, info.eos_token_ids) == ("tiny", 264, (EOS,))
 
 
 def test_prometheus_metrics(serve) -> None:
-    engine = FakeEngine()
-    engine.dynamic_chunking = {"state": "installed", "policy": "optimal", "a": 2.5e-9, "chunks_from_model": 3}
+    engine = fake_engine()
+    dynamic_chunking = {"state": "installed", "policy": "optimal", "a": 2.5e-9, "chunks_from_model": 3}
+    engine.chunking.stats = lambda: dynamic_chunking  # type: ignore[method-assign]
     server = serve(engine, metrics_port=0)
     with Client(f"127.0.0.1:{server.port}") as client:
         for _ in range(3):
@@ -205,7 +204,7 @@ def test_prometheus_metrics(serve) -> None:
 
 
 def test_engine_failure_fails_requests_and_health(serve) -> None:
-    engine = FakeEngine(step_delay_s=0.01)
+    engine = fake_engine(step_delay_s=0.01)
     server = serve(engine)
     with Client(f"127.0.0.1:{server.port}") as client:
         stream = started_stream(client)
@@ -224,14 +223,14 @@ def test_engine_failure_fails_requests_and_health(serve) -> None:
 
 
 def test_async_client(serve) -> None:
-    server = serve(FakeEngine(step_delay_s=0.001))
+    server = serve(fake_engine(step_delay_s=0.001))
 
     async def main() -> None:
         async with AsyncClient(f"127.0.0.1:{server.port}") as client:
             assert await client.health() == "SERVING"
             outs = await asyncio.gather(*(client.generate([i + 1], max_tokens=8) for i in range(8)))
             for i, out in enumerate(outs):
-                assert out.token_ids == FakeEngine.expected_tokens([i + 1], 8)
+                assert out.token_ids == expected_tokens([i + 1], 8)
             stream = client.stream("abc", max_tokens=400)
             await stream.__anext__()
             await stream.aclose()
@@ -240,6 +239,6 @@ def test_async_client(serve) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert (await client.stats()).engine.num_pages_used == 0
-            assert (await client.model_info()).name == "fake"
+            assert (await client.model_info()).name == "tiny"
 
     asyncio.run(main())

@@ -13,7 +13,7 @@ import pytest
 
 from jaxcpp.serving import Client
 from tests.serving.conftest import MODEL, started_stream, wait_until
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fakes import fake_engine
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path) -> None:
 
 
 def test_past_the_grace_period_in_flight_calls_are_aborted(serve) -> None:
-    engine = FakeEngine(step_delay_s=0.01)
+    engine = fake_engine(step_delay_s=0.01)
     server = serve(engine)
     with Client(f"127.0.0.1:{server.port}") as client:
         stream = started_stream(client)

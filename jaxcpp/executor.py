@@ -1,0 +1,91 @@
+"""The contract between the engine (host) and whatever runs the model. Host data both ways; no jax.
+
+    seconds = executor.warmup(shape)            # compile every program the engine will use
+    ticket = executor.submit(step, want_tokens=True, want_logits=False, ack=False)
+    result = executor.collect(ticket)           # FIFO, numpy arrays only
+    seconds = executor.time_attention_free_forward(num_tokens)   # the calibration sweep
+    executor.num_compilations()                 # programs compiled since the executor was built
+    executor.close()
+
+At most `max_in_flight` tickets are outstanding (the pipeline depth P). What crosses the contract:
+
+    engine -> executor   StepInput (padded numpy arrays, a few KB) + three flags
+    executor -> engine   StepResult: tokens [S] (unless want_tokens=False: a step of middle prefill
+                         chunks samples nothing and is collected without waiting for the device),
+                         logits [S, V] when asked at submit, and with `ack` each stage's StageTiming
+
+`ack`: collect waits until the last stage has acknowledged the micro-batch, i.e. every stage finished
+and timed it (dynamic chunking needs the timing before it sizes the next chunk). A failed stage or
+device surfaces as `ExecutorError` from submit or collect; the engine fails the requests it affected.
+
+Implementations: `jaxcpp.runtime.pipeline.PipelineExecutor` (P stages in this process, P = 1 included)
+and `jaxcpp.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from jaxcpp.step_input import StepInput, StepShape
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """When one stage ran one micro-batch (perf_counter seconds, or a fake executor's clock)."""
+
+    ticket: int
+    stage: int
+    num_tokens: int       # the padded token count that ran (the bucket)
+    traced: bool          # False for warm-up batches
+    dispatched: float
+    inputs_ready: float
+    start: float          # max(inputs ready, dispatched, previous completion on the stage)
+    done: float
+
+    @property
+    def forward(self) -> float:
+        return self.done - self.start
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: np.ndarray | None             # [S] int32 (padding rows: garbage); None if want_tokens=False
+    logits: np.ndarray | None = None      # [S, V] float32, when submitted with want_logits=True
+    timings: tuple[StageTiming, ...] = ()  # one per stage in stage order, when submitted with ack=True
+
+    @property
+    def forward_time(self) -> float | None:
+        """The slowest stage's model-call time (what the latency model describes), when timed."""
+        return max(t.forward for t in self.timings) if self.timings else None
+
+
+class ExecutorError(RuntimeError):
+    """A stage or device failed a micro-batch. `fatal`: the executor cannot run further steps."""
+
+    def __init__(self, message: str, *, stage: int | None = None, fatal: bool = True) -> None:
+        where = f"stage {stage}: " if stage is not None else ""
+        super().__init__(where + message)
+        self.stage = stage
+        self.fatal = fatal
+
+
+class Executor(Protocol):
+    max_in_flight: int
+
+    def warmup(self, shape: StepShape) -> float: ...
+
+    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+               ack: bool = False) -> int: ...
+
+    def collect(self, ticket: int) -> StepResult: ...
+
+    def time_attention_free_forward(self, num_tokens: int) -> float:
+        """Seconds of one forward of a token bucket with attention skipped, on the slowest stage."""
+        ...
+
+    def num_compilations(self) -> int: ...
+
+    def close(self) -> None: ...

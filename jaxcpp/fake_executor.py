@@ -1,0 +1,146 @@
+"""An executor with no model and no jax: deterministic tokens, modelled step times, the real contract.
+
+    engine = LLMEngine(config, executor=FakeExecutor(num_stages=2, latency=LatencyModel(...)))
+
+Each sampled token depends only on the sequence's last token, its position and how many tokens it
+has generated (`next_token`), so outputs do not depend on batching, chunking or preemption, exactly
+as greedy outputs of the real engine do not; `expected_tokens(prompt, n)` replays the rule. With a
+latency model, each micro-batch takes
+
+    t = c + b·T + Σ_seq (γ·L + a·(2·L·x + x²))    (T: the padded tokens; x, L: each chunk and its prefix)
+
+on every stage, on a virtual clock where the P stages run micro-batches as a flow shop (stage s starts a
+batch when stage s-1 finished it and stage s finished the previous one): the timings `ack` returns are
+what a real pipeline would measure under that model. `step_delay_s` really sleeps in `collect`, for
+tests of a server under a slow engine. Shapes count as programs: a step whose shape was not warmed up
+counts as a compilation, so the compile guard means the same here as on a device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.executor import StageTiming, StepResult
+from jaxcpp.step_input import StepInput, StepShape
+
+# (last token id, its position, tokens the sequence generated so far) -> the next token
+NextToken = Callable[[int, int, int], int]
+
+
+def printable_next_token(last: int, position: int, num_generated: int) -> int:
+    """The default rule: printable ASCII (32..126), so any vocabulary of 127 ids or more can hold it."""
+    return 32 + (last * 31 + position * 17 + 7) % 95
+
+
+class FakeExecutor:
+    def __init__(self, *, num_stages: int = 1, next_token: NextToken = printable_next_token,
+                 eos_token_id: int | None = None, eos_after: int | None = None,
+                 latency: LatencyModel | None = None, step_delay_s: float = 0.0, vocab_size: int = 128) -> None:
+        self.max_in_flight = num_stages
+        self.num_stages = num_stages
+        self.next_token = next_token
+        self.eos_token_id = eos_token_id
+        self.eos_after = eos_after          # the n-th generated token is EOS (None: never)
+        self.latency = latency
+        self.step_delay_s = step_delay_s
+        self.vocab_size = vocab_size        # the width of the one-hot logits it returns when asked
+        self.steps: list[StepInput] = []    # every step submitted after warm-up, for tests to inspect
+        self._pending: deque[tuple[int, StepResult]] = deque()
+        self._next_ticket = 0
+        self._stage_free = [0.0] * num_stages   # the virtual clock: when each stage is next idle
+        self._programs: set[tuple[int, int]] = set()
+        self._compilations = 0
+        self._warm = False
+
+    @staticmethod
+    def expected_tokens(prompt: list[int], n: int, next_token: NextToken = printable_next_token) -> list[int]:
+        """The first n tokens generated for `prompt` (before any stop)."""
+        out: list[int] = []
+        last, position = prompt[-1], len(prompt) - 1
+        for i in range(n):
+            last, position = next_token(last, position, i), position + 1
+            out.append(last)
+        return out
+
+    # ---- the Executor contract -----------------------------------------------------------------
+    def warmup(self, shape: StepShape) -> float:
+        for num_tokens in shape.token_buckets:
+            self._programs.add((num_tokens, min(num_tokens, shape.max_num_seqs)))
+        self._compilations = len(self._programs)
+        self._warm = True
+        return 0.0
+
+    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+               ack: bool = False) -> int:
+        if len(self._pending) >= self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
+        shape = (step.num_tokens_padded, int(step.kv_lens.shape[0]))
+        if shape not in self._programs:
+            self._programs.add(shape)
+            self._compilations += 1
+        if self._warm:
+            self.steps.append(step)
+        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+        tokens = self._tokens(step)
+        width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
+        logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
+        timings = self._run_stages(ticket, step)
+        self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits,
+                                                 timings if ack else ())))
+        return ticket
+
+    def collect(self, ticket: int) -> StepResult:
+        head, result = self._pending[0]
+        if head != ticket:
+            raise ValueError(f"tickets are collected in FIFO order: expected {head}, got {ticket}")
+        self._pending.popleft()
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return result
+
+    def time_attention_free_forward(self, num_tokens: int) -> float:
+        return 0.0 if self.latency is None else self.latency.c + self.latency.b * num_tokens
+
+    def num_compilations(self) -> int:
+        return self._compilations
+
+    def close(self) -> None:
+        pass
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _tokens(self, step: StepInput) -> np.ndarray:
+        tokens = np.zeros(step.kv_lens.shape, np.int32)
+        for i in range(int(step.num_seqs)):
+            row = int(step.logits_indices[i])
+            generated = int(step.steps[i])
+            if self.eos_after is not None and generated + 1 == self.eos_after:
+                assert self.eos_token_id is not None, "eos_after needs eos_token_id"
+                tokens[i] = self.eos_token_id
+            else:
+                tokens[i] = self.next_token(int(step.token_ids[row]), int(step.positions[row]), generated)
+        return tokens
+
+    def step_seconds(self, step: StepInput) -> float:
+        """The latency model's time for one stage of this micro-batch (0 without a model)."""
+        m = self.latency
+        if m is None:
+            return 0.0
+        n = int(step.num_seqs)
+        x = np.diff(step.cu_q_lens[: n + 1]).astype(np.float64)
+        prefix = step.kv_lens[:n].astype(np.float64) - x
+        return float(m.c + m.b * step.num_tokens_padded + np.sum(m.gamma * prefix + m.a * (2 * prefix * x + x * x)))
+
+    def _run_stages(self, ticket: int, step: StepInput) -> tuple[StageTiming, ...]:
+        seconds = self.step_seconds(step)
+        timings, ready = [], self._stage_free[0]
+        for s in range(self.num_stages):
+            start = max(ready, self._stage_free[s])
+            done = start + seconds
+            timings.append(StageTiming(ticket, s, step.num_tokens_padded, self._warm, ready, ready, start, done))
+            self._stage_free[s] = ready = done
+        return tuple(timings)

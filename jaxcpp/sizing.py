@@ -1,0 +1,101 @@
+"""The sizes that follow from a model and the flags, decided once, on the host, without the weights.
+
+    sizing = EngineSizing.plan(config, spec)   # max model length, pages, buckets, the layer split
+    sizing.shape                               # the StepShape every step is padded to
+
+The head computes this before any executor exists; the executor is built from the same object, so the
+engine and every stage agree on page counts and buckets by construction. No jax here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxcpp.buckets import token_buckets
+from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.models.config import LlamaConfig
+from jaxcpp.models.spec import ModelSpec
+from jaxcpp.step_input import StepShape
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def stage_layers(num_layers: int, pp: int, partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) of the decoder layers of each stage.
+
+    `partition` (`--pp-partition`) gives the layers per stage; by default the split is as even as it
+    can be, with the extra layers on the *later* stages (the last stage also runs the LM head and the
+    sampler, yet later stages wait less in a filling pipe, which measured better in ATOM, e.g. 15,15,15,16).
+    """
+    if num_layers < pp:
+        raise ConfigError(f"--pipeline-parallel-size: {pp} stages need at least {pp} decoder layers, "
+                          f"the model has {num_layers}")
+    if partition is None:
+        base, extra = divmod(num_layers, pp)
+        partition = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+    if len(partition) != pp:
+        raise ConfigError(f"--pp-partition: gives {len(partition)} stages but --pipeline-parallel-size "
+                          f"is {pp}")
+    if sum(partition) != num_layers or min(partition) < 1:
+        raise ConfigError(f"--pp-partition: {','.join(map(str, partition))} must be positive and sum to "
+                          f"the model's {num_layers} decoder layers")
+    bounds = np.cumsum([0, *partition]).tolist()
+    return [(int(bounds[s]), int(bounds[s + 1])) for s in range(pp)]
+
+
+@dataclass(frozen=True)
+class EngineSizing:
+    spec: ModelSpec
+    max_model_len: int
+    page_size: int
+    pages_per_seq: int
+    num_pages: int                  # per stage, page 0 (reserved for padding writes) included
+    token_buckets: list[int]
+    max_num_seqs: int
+    layers: list[tuple[int, int]]   # [start, end) of each pipeline stage
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(self.token_buckets, self.max_num_seqs, self.pages_per_seq, self.page_size)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.spec.config.eos_token_ids)
+
+    @staticmethod
+    def plan(config: EngineConfig, spec: ModelSpec) -> EngineSizing:
+        model = spec.config
+        max_model_len = config.model.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
+            raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
+                              f"{model.max_position_embeddings}")
+        p = config.parallel
+        layers = stage_layers(model.num_hidden_layers, p.pipeline_parallel_size,
+                              p.partition_list() if p.pp_partition is not None else None)
+        page_size = config.cache.page_size
+        pages_per_seq = -(-max_model_len // page_size)
+        largest_stage = max(end - start for start, end in layers)
+        num_pages = _num_pages(config, model, largest_stage, pages_per_seq)
+        return EngineSizing(spec, max_model_len, page_size, pages_per_seq, num_pages,
+                            token_buckets(config.scheduler.max_num_batched_tokens, page_size),
+                            config.scheduler.max_num_seqs, layers)
+
+
+def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: int, pages_per_seq: int) -> int:
+    """Every stage holds the same number of pages, so the stage with the most layers sizes them."""
+    page_size = config.cache.page_size
+    if config.cache.num_pages is not None:
+        num_pages = config.cache.num_pages
+    else:
+        page_bytes = (2 * largest_stage_layers * page_size * model.num_key_value_heads * model.head_dim
+                      * _ITEMSIZE[model.dtype])
+        budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, page_bytes)
+        # More pages than every sequence at full length can use would only waste memory.
+        num_pages = min(budget, config.scheduler.max_num_seqs * pages_per_seq + 1)
+    if num_pages < pages_per_seq + 1:
+        raise ConfigError(f"--num-pages: {num_pages} pages cannot hold one sequence of --max-model-len "
+                          f"({pages_per_seq} pages of {page_size} tokens, plus the reserved page)")
+    return num_pages
