@@ -14,8 +14,9 @@ model, compiling every bucket) in a worker thread while the loop keeps answering
 (`Server.build_engine`); once it is attached, health turns SERVING. An orchestrator's startup and
 readiness probes therefore see the pod alive but not ready during the compile.
 
-Shutdown (`Server.stop`): health goes NOT_SERVING, new calls are refused, calls in flight get
-`--shutdown-grace-s` to finish, then are cancelled (and so aborted); then the engine thread stops.
+Shutdown (`Server.stop`): health goes NOT_SERVING (and answers so for the first second), then new calls
+are refused, calls in flight get the rest of `--shutdown-grace-s` to finish, then are cancelled (and so
+aborted); then the engine thread stops.
 """
 
 from __future__ import annotations
@@ -271,6 +272,8 @@ class Server:
     and "warming up" answers until `build_engine(factory)` or `attach_engine(engine)` is awaited.
     """
 
+    drain_announce_s = 1.0  # see stop(); a Watch-ing client gets NOT_SERVING pushed within milliseconds
+
     def __init__(self, engine: Engine | None, config: ServerConfig) -> None:
         self.config = config
         self.metrics = ServingMetrics()
@@ -306,11 +309,11 @@ class Server:
             self.port = server.add_secure_port(address, creds)
         else:
             self.port = server.add_insecure_port(address)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # HealthServicer starts SERVING
         await server.start()
         self._server = server
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._engine is not None:
             await self.attach_engine(self._engine)
         return self.port
@@ -347,11 +350,19 @@ class Server:
             await self.health.set(service, status)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Refuse new calls, let calls in flight finish for `grace` seconds, abort the rest, stop."""
+        """Turn health NOT_SERVING; then refuse new calls, let calls in flight finish within `grace`
+        seconds, abort the rest, stop.
+
+        For the first `drain_announce_s` of the grace the server still listens and health answers
+        NOT_SERVING (a probe, or a client watching health, sees the drain and moves on); then the listener
+        closes (GOAWAY: connected clients reconnect elsewhere) and the calls in flight get the rest.
+        """
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
-            await self._server.stop(grace)
+            announce = min(self.drain_announce_s, grace)
+            await asyncio.sleep(announce)
+            await self._server.stop(grace - announce)
         if self.engine_loop is not None:
             await asyncio.to_thread(self.engine_loop.stop, 30.0)
         self.metrics.close()

@@ -1,6 +1,6 @@
-"""Health while warming up: the gRPC server answers probes NOT_SERVING while the engine is being built,
-the service's RPCs answer UNAVAILABLE "warming up", and health turns SERVING once the engine is attached
-(what a Kubernetes startup/readiness probe relies on; see docs/deploy.md)."""
+"""Health over a server's life, as an orchestrator's probes see it (docs/deploy.md): NOT_SERVING while the
+engine is being built (the service's RPCs answer UNAVAILABLE "warming up"), SERVING once it is attached,
+NOT_SERVING again as soon as a drain starts, while the calls in flight finish."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 
 from jaxcpp.config import ServerConfig
 from jaxcpp.serving import Client
-from jaxcpp.serving.server import SERVICE_NAME, ServerThread
-from tests.serving.conftest import MODEL
+from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
+from tests.serving.conftest import MODEL, wait_until
 from tests.serving.fake_engine import FakeEngine
 
 
@@ -80,6 +80,25 @@ def test_a_factory_that_fails_leaves_health_not_serving(warming_server) -> None:
         warming_server.build_engine(broken).result(timeout=10)
     with Client(f"127.0.0.1:{warming_server.port}", timeout=10) as client:
         assert client.health() == "NOT_SERVING"
+
+
+def test_health_turns_not_serving_as_the_drain_starts_and_calls_in_flight_finish(monkeypatch) -> None:
+    monkeypatch.setattr(Server, "drain_announce_s", 5.0)  # a wide window: the probe below must land in it
+    server = ServerThread(FakeEngine(step_delay_s=0.005), ServerConfig(port=0)).start()
+    try:
+        with Client(f"127.0.0.1:{server.port}", timeout=10) as client:
+            stream = client.stream("abc", max_tokens=100, temperature=0)
+            next(stream)
+            stopping = threading.Thread(target=server.stop, kwargs={"grace": 30.0})
+            stopping.start()
+            with Client(f"127.0.0.1:{server.port}", timeout=5) as probe:  # raises once the listener closes
+                wait_until(lambda: probe.health() == "NOT_SERVING", timeout=4)
+            deltas = list(stream)
+            assert deltas[-1].finish_reason == "length" and deltas[-1].num_generated_tokens == 100
+            stopping.join(timeout=30)
+            assert not stopping.is_alive()
+    finally:
+        server.stop(grace=0)
 
 
 def _free_port() -> int:
