@@ -69,11 +69,15 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
-    print(f"jaxcpp: loading {engine_config.model.model} and compiling every bucket ...", file=sys.stderr,
-          flush=True)
-    from jaxcpp.engine import LLMEngine
 
-    engine = LLMEngine(engine_config)
+    def build_engine() -> Any:  # in a worker thread, while health answers NOT_SERVING
+        from jaxcpp.engine import LLMEngine
+
+        return LLMEngine(engine_config)
+
+    def listening(server: Server) -> None:
+        print(f"jaxcpp: listening on {server_config.host}:{server.port} (health NOT_SERVING); loading "
+              f"{engine_config.model.model} and compiling every bucket ...", file=sys.stderr, flush=True)
 
     def ready(server: Server) -> None:
         metrics = f", metrics on http://{server_config.host}:{server.metrics_port}/metrics" \
@@ -82,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         where = f"{server_config.host}:{server.port}"
         print(f"jaxcpp: serving {engine_config.model.model} on {where}{tls}{metrics}", flush=True)
 
-    return asyncio.run(serve(engine, server_config, on_ready=ready))
+    return asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
 
 
 # -- client --------------------------------------------------------------------------------------

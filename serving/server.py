@@ -8,8 +8,15 @@ loop; the handler detokenizes and streams each output as it arrives. Whatever en
 which the engine thread runs before its next step. No thread per stream: one asyncio loop, one engine
 thread, and prometheus-client's HTTP thread.
 
-Shutdown (`Server.stop`): health goes NOT_SERVING, new calls are refused, calls in flight get
-`--shutdown-grace-s` to finish, then are cancelled (and so aborted); then the engine thread stops.
+Start-up (`jaxcpp serve`): the gRPC server and its health service start first, NOT_SERVING, and the
+service's own RPCs answer UNAVAILABLE "warming up" (`_WarmUpGate`); the engine is built (loading the
+model, compiling every bucket) in a worker thread while the loop keeps answering probes
+(`Server.build_engine`); once it is attached, health turns SERVING. An orchestrator's startup and
+readiness probes therefore see the pod alive but not ready during the compile.
+
+Shutdown (`Server.stop`): health goes NOT_SERVING (and answers so for the first second), then new calls
+are refused, calls in flight get the rest of `--shutdown-grace-s` to finish, then are cancelled (and so
+aborted); then the engine thread stops.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +88,19 @@ class _TextDeltas:
 
 
 class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
-    def __init__(self, engine_loop: EngineLoop, config: ServerConfig, metrics: ServingMetrics,
-                 model_info: ModelInfo) -> None:
-        self._engine = engine_loop
+    """Registered before the engine exists; `attach` hands it the engine (`_WarmUpGate` holds calls until then)."""
+
+    def __init__(self, config: ServerConfig, metrics: ServingMetrics) -> None:
+        self._engine: EngineLoop  # set by attach()
+        self._model_info: ModelInfo
         self._config = config
         self._metrics = metrics
-        self._model_info = model_info
         self._in_flight: set[str] = set()  # touched on the asyncio loop only
         self._started = time.monotonic()
+
+    def attach(self, engine_loop: EngineLoop, model_info: ModelInfo) -> None:
+        self._engine = engine_loop
+        self._model_info = model_info
 
     @property
     def num_in_flight(self) -> int:
@@ -210,14 +223,39 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _deny_handler(handler)
 
 
+class _WarmUpGate(grpc.aio.ServerInterceptor):
+    """UNAVAILABLE "warming up" for the service's RPCs until `open()`; health and reflection always answer."""
+
+    def __init__(self) -> None:
+        self.is_open = False
+
+    def open(self) -> None:
+        self.is_open = True
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if self.is_open or handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        return _abort_handler(handler, grpc.StatusCode.UNAVAILABLE,
+                              "warming up: the engine is loading the model and compiling; retry when "
+                              "health is SERVING")
+
+
 def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    message = "missing or wrong API key: send metadata 'authorization: Bearer <key>'"
+    return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
+
+
+def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+                   message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that fails every call with `code`."""
 
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield None  # pragma: no cover - abort raises
 
     serdes = {"request_deserializer": handler.request_deserializer,
@@ -228,30 +266,37 @@ def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 class Server:
-    """One gRPC server around one engine. Create and use it inside a running asyncio loop."""
+    """One gRPC server around one engine. Create and use it inside a running asyncio loop.
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    Given an engine, `start()` serves it at once. Given None, `start()` serves health (NOT_SERVING)
+    and "warming up" answers until `build_engine(factory)` or `attach_engine(engine)` is awaited.
+    """
+
+    drain_announce_s = 1.0  # see stop(); a Watch-ing client gets NOT_SERVING pushed within milliseconds
+
+    def __init__(self, engine: Engine | None, config: ServerConfig) -> None:
         self.config = config
         self.metrics = ServingMetrics()
         self.health = health.aio.HealthServicer()
-        self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
+        self.servicer = JaxcppServicer(config, self.metrics)
+        self.engine_loop: EngineLoop | None = None
         self.port = 0
         self.metrics_port: int | None = None
+        self._engine = engine
+        self._gate = _WarmUpGate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> int:
-        """Start the engine thread and the server; returns the bound port."""
+        """Start the server (and the engine thread, if given an engine); returns the bound port."""
         cfg = self.config
         self._loop = asyncio.get_running_loop()
-        self.engine_loop.start()
-        interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+        interceptors.append(self._gate)
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # never share a port with a stale server
         server = grpc.aio.server(interceptors=interceptors, options=options)
-        model_info = await asyncio.wrap_future(self.engine_loop.submit(self.engine_loop.engine.model_info))
-        self.servicer = JaxcppServicer(self.engine_loop, cfg, self.metrics, model_info)
         pb_grpc.add_JaxcppServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -264,21 +309,62 @@ class Server:
             self.port = server.add_secure_port(address, creds)
         else:
             self.port = server.add_insecure_port(address)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # HealthServicer starts SERVING
         await server.start()
         self._server = server
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self._engine is not None:
+            await self.attach_engine(self._engine)
         return self.port
 
+    async def build_engine(self, factory: Callable[[], Engine]) -> None:
+        """Build the engine with `factory()` off the loop (probes keep answering), then attach it.
+
+        A daemon thread, not the loop's executor: a SIGTERM during the compile must not wait for it.
+        """
+        built: Future[Engine] = Future()
+
+        def build() -> None:
+            if not built.set_running_or_notify_cancel():
+                return
+            try:
+                built.set_result(factory())
+            except BaseException as exc:  # noqa: B036 - handed to the awaiting coroutine
+                built.set_exception(exc)
+
+        threading.Thread(target=build, name="jaxcpp-engine-build", daemon=True).start()
+        await self.attach_engine(await asyncio.wrap_future(built))
+
+    async def attach_engine(self, engine: Engine) -> None:
+        """Start the engine thread on `engine`, open the service and turn health SERVING."""
+        self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
+        self.engine_loop.start()
+        model_info = await asyncio.wrap_future(self.engine_loop.submit(engine.model_info))
+        self.servicer.attach(self.engine_loop, model_info)
+        self._gate.open()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
     async def stop(self, grace: float | None = None) -> None:
-        """Refuse new calls, let calls in flight finish for `grace` seconds, abort the rest, stop."""
+        """Turn health NOT_SERVING; then refuse new calls, let calls in flight finish within `grace`
+        seconds, abort the rest, stop.
+
+        For the first `drain_announce_s` of the grace the server still listens and health answers
+        NOT_SERVING (a probe, or a client watching health, sees the drain and moves on); then the listener
+        closes (GOAWAY: connected clients reconnect elsewhere) and the calls in flight get the rest.
+        """
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
-            await self._server.stop(grace)
-        await asyncio.to_thread(self.engine_loop.stop, 30.0)
+            announce = min(self.drain_announce_s, grace)
+            await asyncio.sleep(announce)
+            await self._server.stop(grace - announce)
+        if self.engine_loop is not None:
+            await asyncio.to_thread(self.engine_loop.stop, 30.0)
         self.metrics.close()
 
     async def wait_for_termination(self) -> None:
@@ -297,7 +383,7 @@ class ServerThread:
             Client(f"127.0.0.1:{server.port}")
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine | None, config: ServerConfig) -> None:
         self.server = Server(engine, config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="jaxcpp-grpc", daemon=True)
@@ -310,6 +396,10 @@ class ServerThread:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=120)
         return self
+
+    def build_engine(self, factory: Callable[[], Engine]) -> Future[None]:
+        """`Server.build_engine` on the server's loop; the future resolves once health is SERVING."""
+        return asyncio.run_coroutine_threadsafe(self.server.build_engine(factory), self._loop)
 
     def stop(self, grace: float | None = 0.0) -> None:
         if self._thread.is_alive():
@@ -324,20 +414,39 @@ class ServerThread:
         self.stop()
 
 
-async def serve(engine: Engine, config: ServerConfig,
-                on_ready: Callable[[Server], None] | None = None) -> int:
-    """Run until SIGTERM or SIGINT, then shut down gracefully; returns the exit code (0)."""
+async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
+                on_ready: Callable[[Server], None] | None = None,
+                on_listening: Callable[[Server], None] | None = None) -> int:
+    """Listen (health NOT_SERVING), build the engine, serve it until SIGTERM or SIGINT, then drain.
+
+    Returns the exit code: 0, also for a signal during warm-up (nothing to drain then). An engine that
+    fails to build stops the server and raises.
+    """
     import signal
 
-    server = Server(engine, config)
+    server = Server(None, config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if on_listening is not None:
+        on_listening(server)
+    building = asyncio.ensure_future(server.build_engine(engine_factory))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((building, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if not building.done():
+        log.info("stopped during warm-up")
+        building.cancel()
+        await server.stop(0)
+        return 0
+    if building.exception() is not None:
+        stopping.cancel()
+        await server.stop(0)
+        building.result()  # raises the factory's error
     if on_ready is not None:
         on_ready(server)
-    await stop.wait()
+    await stopping
     log.info("shutting down: %d requests in flight, %.1f s grace", server.servicer.num_in_flight,
              config.shutdown_grace_s)
     await server.stop()

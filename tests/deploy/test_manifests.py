@@ -1,0 +1,252 @@
+"""The Kubernetes manifests: every object validates (strictly: unknown fields fail) against the Kubernetes
+schemas of kubernetes-validate, the LeaderWorkerSet against its CRD's schema shipped in
+deploy/kubernetes/schemas/ (with jsonschema) and its pod templates against core/v1; and the pieces agree
+with each other and with the server (probe ports, grace periods, the LWS group, GPUs, volumes)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from jaxcpp.serving.server import SERVICE_NAME
+from tests.deploy.conftest import (
+    LWS_KIND,
+    LWS_SCHEMA,
+    MANIFESTS,
+    PodTemplate,
+    all_pod_templates,
+    flag_value,
+    load_manifest,
+    pod_templates,
+)
+
+# The oldest Kubernetes the manifests claim (gRPC probes GA in 1.27, preStop sleep beta in 1.30) and the
+# newest kubernetes-validate has schemas for.
+K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
+GPU_RESOURCE = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu"}
+TEMPLATES = all_pod_templates()
+TEMPLATE_IDS = [t.id for t in TEMPLATES]
+
+
+def _objects() -> list:
+    return [pytest.param(path, doc, id=f"{path.name}:{doc['kind']}:{doc['metadata']['name']}")
+            for path in MANIFESTS for doc in load_manifest(path)]
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties: false on every object that lists its properties (strict)."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [_closed(v) for v in schema]
+    return schema
+
+
+LWS_VALIDATOR = jsonschema.Draft202012Validator(
+    _closed(yaml.safe_load(LWS_SCHEMA.read_text())["openAPIV3Schema"]))
+
+
+def _validate_lws(doc: dict[str, Any], version: str) -> None:
+    LWS_VALIDATOR.validate(doc)
+    lwt = doc["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        if role in lwt:
+            pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                            "metadata": {"name": f"{doc['metadata']['name']}-{role}"}, "template": lwt[role]}
+            kubernetes_validate.validate(pod_template, version, strict=True)
+
+
+def _validate(doc: dict[str, Any], version: str) -> None:
+    if doc["kind"] == LWS_KIND:
+        _validate_lws(doc, version)
+    else:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _container(template: PodTemplate) -> dict[str, Any]:
+    [container] = template.serve_containers()
+    return container
+
+
+def _target(path: Path) -> str:
+    return path.name.split("-")[0]
+
+
+# -- schemas ---------------------------------------------------------------------------------------
+def test_all_four_targets_are_there() -> None:
+    assert [p.name for p in MANIFESTS] == ["cuda-multi-host.yaml", "cuda-single-node.yaml",
+                                           "rocm-multi-host.yaml", "rocm-single-node.yaml"]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(("path", "doc"), _objects())
+def test_object_validates_against_its_schema(path: Path, doc: dict[str, Any], version: str) -> None:
+    _validate(doc, version)
+
+
+def test_a_misspelt_field_fails_validation() -> None:
+    deployment = next(d for d in load_manifest(MANIFESTS[1]) if d["kind"] == "Deployment")
+    bad = copy.deepcopy(deployment)
+    container = bad["spec"]["template"]["spec"]["containers"][0]
+    container["readinesProbe"] = container.pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda lws: lws["spec"]["leaderWorkerTemplate"].update(restartPolcy="RecreateGroupOnPodRestart"),
+    lambda lws: lws["spec"]["leaderWorkerTemplate"].update(restartPolicy="RestartEverything"),
+    lambda lws: lws["spec"]["leaderWorkerTemplate"].update(size="four"),
+    lambda lws: lws["spec"]["leaderWorkerTemplate"].pop("workerTemplate"),
+    lambda lws: lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"].update(terminationGracePeriod=75),
+], ids=["misspelt-field", "unknown-restart-policy", "size-not-integer", "no-worker-template",
+        "bad-pod-template"])
+def test_a_broken_leaderworkerset_fails_validation(mutate) -> None:
+    lws = next(d for d in load_manifest(MANIFESTS[0]) if d["kind"] == LWS_KIND)
+    bad = copy.deepcopy(lws)
+    mutate(bad)
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        _validate(bad, K8S_VERSIONS[0])
+
+
+# -- the pieces agree ------------------------------------------------------------------------------
+def test_rocm_and_cuda_manifests_differ_only_in_the_gpu_vendor() -> None:
+    """Written twice for `kubectl apply -f` without a renderer; this keeps the twins in step."""
+    for rocm in (p for p in MANIFESTS if _target(p) == "rocm"):
+        cuda = rocm.with_name(rocm.name.replace("rocm", "cuda"))
+        text = rocm.read_text().replace("amd.com/gpu", "nvidia.com/gpu").replace("rocm", "cuda")
+        expected = [_without_supplemental_groups(d) for d in yaml.safe_load_all(text) if d]
+        assert expected == load_manifest(cuda), f"{cuda.name} drifted from {rocm.name}"
+
+
+def _without_supplemental_groups(doc: Any) -> Any:  # ROCm's device nodes need the video/render groups
+    if isinstance(doc, dict):
+        return {k: _without_supplemental_groups(v) for k, v in doc.items() if k != "supplementalGroups"}
+    if isinstance(doc, list):
+        return [_without_supplemental_groups(v) for v in doc]
+    return doc
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_probes_use_the_grpc_health_service_on_the_served_port(template: PodTemplate) -> None:
+    container = _container(template)
+    probes = {name: container[name] for name in ("startupProbe", "readinessProbe", "livenessProbe")
+              if name in container}
+    if template.role == "worker":
+        assert not probes  # stage processes serve nothing (the checkov skips say why)
+        return
+    assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}
+    port = int(flag_value(container["args"], "--port"))
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named["grpc"] == port
+    for name, probe in probes.items():
+        assert probe["grpc"]["port"] == port, f"{name} probes {probe['grpc']['port']}, the server is on {port}"
+        assert probe["grpc"].get("service", "") in ("", SERVICE_NAME)  # what the server's health knows
+    startup = probes["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60, "allow >= 20 min of warm-up"
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_termination_grace_outlasts_the_drain(template: PodTemplate) -> None:
+    container = _container(template)
+    drain = float(flag_value(container["args"], "--shutdown-grace-s"))
+    pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    # + 10 s for stopping the engine thread (and, multi-host, the stages) after the drain
+    assert template.spec["terminationGracePeriodSeconds"] >= drain + pre_stop + 10
+
+
+@pytest.mark.parametrize("template", [t for t in TEMPLATES if t.role != "worker"],
+                         ids=[t.id for t in TEMPLATES if t.role != "worker"])
+def test_prometheus_scrapes_the_metrics_port(template: PodTemplate) -> None:
+    container = _container(template)
+    metrics_port = int(flag_value(container["args"], "--metrics-port"))
+    assert template.annotations["prometheus.io/scrape"] == "true"
+    assert int(template.annotations["prometheus.io/port"]) == metrics_port
+    assert {"name": "metrics", "containerPort": metrics_port} in container["ports"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_service_reaches_the_head_and_the_pdb_covers_the_pods(path: Path) -> None:
+    docs = load_manifest(path)
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    heads = [t for t in pod_templates(path) if t.role != "worker"]
+    for head in heads:
+        labels = head.template["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items(), "the Service must select the head"
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ports = {p["name"] for p in _container(head)["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+    for worker in (t for t in pod_templates(path) if t.role == "worker"):
+        labels = worker.template["metadata"]["labels"]
+        assert not service["spec"]["selector"].items() <= labels.items(), "stages take no client traffic"
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_gpus_match_the_parallel_layout(template: PodTemplate) -> None:
+    container = _container(template)
+    args = container["args"]
+    pp, tp = int(flag_value(args, "--pipeline-parallel-size")), int(flag_value(args, "--tensor-parallel-size"))
+    per_pod = tp if template.owner["kind"] == LWS_KIND else pp * tp  # multi-host: one stage per pod
+    resource = GPU_RESOURCE[_target(template.manifest)]
+    for section in ("requests", "limits"):
+        assert int(container["resources"][section][resource]) == per_pod
+        assert {"cpu", "memory"} <= container["resources"][section].keys()
+    other = set(GPU_RESOURCE.values()) - {resource}
+    assert not other & container["resources"]["limits"].keys()
+    platform = {e["name"]: e["value"] for e in container["env"]}["JAX_PLATFORMS"]
+    assert platform == _target(template.manifest)
+
+
+@pytest.mark.parametrize("path", [p for p in MANIFESTS if "multi-host" in p.name], ids=lambda p: p.name)
+def test_leaderworkerset_group_is_the_pipeline(path: Path) -> None:
+    [lws] = [d for d in load_manifest(path) if d["kind"] == LWS_KIND]
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = (_container(t) for t in pod_templates(path))
+    assert leader["args"] == worker["args"], "the same command on every host; --process-id picks the role"
+    assert lwt["size"] == int(flag_value(leader["args"], "--pipeline-parallel-size")), "one stage per pod"
+    assert re.fullmatch(r"\$\(LWS_LEADER_ADDRESS\):\d+", flag_value(leader["args"], "--coordinator-address"))
+    assert flag_value(leader["args"], "--num-processes") == "$(LWS_GROUP_SIZE)"
+    assert flag_value(leader["args"], "--process-id") == "$(LWS_WORKER_INDEX)"
+    coordinator_port = int(flag_value(leader["args"], "--coordinator-address").rsplit(":", 1)[1])
+    assert {"name": "coordinator", "containerPort": coordinator_port} in leader["ports"]
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_volumes_for_model_cache_and_shm(template: PodTemplate) -> None:
+    container = _container(template)
+    volumes = {v["name"]: v for v in template.spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    model = flag_value(container["args"], "--model")
+    models = mounts["/models"]
+    assert model.startswith("/models/") and models["readOnly"] is True
+    assert "persistentVolumeClaim" in volumes[models["name"]]
+    cache_mount = next(m for path, m in mounts.items() if env["JAXCPP_COMPILATION_CACHE_DIR"].startswith(path + "/"))
+    assert "persistentVolumeClaim" in volumes[cache_mount["name"]], "the compilation cache must outlive the pod"
+    shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"].endswith("Gi") and int(shm["sizeLimit"][:-2]) >= 8
+    assert "/tmp" in mounts, "a writable /tmp, since the root filesystem is read-only"
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_containers_are_locked_down(template: PodTemplate) -> None:
+    pod = template.spec["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] >= 10000
+    assert pod["seccompProfile"]["type"] == "RuntimeDefault"
+    assert template.spec["automountServiceAccountToken"] is False
+    for container in template.spec["containers"]:
+        ctx = container["securityContext"]
+        assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False
+        assert ctx["readOnlyRootFilesystem"] is True and ctx["capabilities"] == {"drop": ["ALL"]}

@@ -1,0 +1,170 @@
+"""Health over a server's life, as an orchestrator's probes see it (docs/deploy.md): NOT_SERVING while the
+engine is being built (the service's RPCs answer UNAVAILABLE "warming up"), SERVING once it is attached,
+NOT_SERVING again as soon as a drain starts, while the calls in flight finish."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from jaxcpp.config import ServerConfig
+from jaxcpp.serving import Client
+from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
+from tests.serving.conftest import MODEL, wait_until
+from tests.serving.fake_engine import FakeEngine
+
+
+class SlowFactory:
+    """An engine factory that blocks until released, like a long compile."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self) -> FakeEngine:
+        self.started.set()
+        assert self.release.wait(30), "the test never released the factory"
+        return FakeEngine()
+
+
+@pytest.fixture
+def warming_server():
+    server = ServerThread(None, ServerConfig(port=0, api_key="k")).start()
+    yield server
+    server.stop(grace=0)
+
+
+def test_not_serving_while_the_engine_builds_then_serving(warming_server) -> None:
+    factory = SlowFactory()
+    built = warming_server.build_engine(factory)
+    assert factory.started.wait(10)
+    with Client(f"127.0.0.1:{warming_server.port}", api_key="k", timeout=10) as client:
+        for service in ("", SERVICE_NAME):
+            assert client.health(service) == "NOT_SERVING"
+        for call in (client.model_info, client.stats, lambda: client.generate("abc", max_tokens=2)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details().startswith("warming up")
+        assert not built.done()
+        factory.release.set()
+        built.result(timeout=10)
+        for service in ("", SERVICE_NAME):
+            assert client.health(service) == "SERVING"
+        out = client.generate("abc", max_tokens=3, temperature=0)
+        assert out.num_generated_tokens == 3
+        assert client.model_info().max_model_len == FakeEngine().max_model_len
+
+
+def test_the_api_key_is_checked_before_the_warm_up_answer(warming_server) -> None:
+    with Client(f"127.0.0.1:{warming_server.port}", api_key="wrong", timeout=10) as client:
+        assert client.health() == "NOT_SERVING"  # probes need no key
+        with pytest.raises(grpc.RpcError) as err:
+            client.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_factory_that_fails_leaves_health_not_serving(warming_server) -> None:
+    def broken() -> FakeEngine:
+        raise RuntimeError("no such model")
+
+    with pytest.raises(RuntimeError, match="no such model"):
+        warming_server.build_engine(broken).result(timeout=10)
+    with Client(f"127.0.0.1:{warming_server.port}", timeout=10) as client:
+        assert client.health() == "NOT_SERVING"
+
+
+def test_health_turns_not_serving_as_the_drain_starts_and_calls_in_flight_finish(monkeypatch) -> None:
+    monkeypatch.setattr(Server, "drain_announce_s", 5.0)  # a wide window: the probe below must land in it
+    server = ServerThread(FakeEngine(step_delay_s=0.005), ServerConfig(port=0)).start()
+    try:
+        with Client(f"127.0.0.1:{server.port}", timeout=10) as client:
+            stream = client.stream("abc", max_tokens=100, temperature=0)
+            next(stream)
+            stopping = threading.Thread(target=server.stop, kwargs={"grace": 30.0})
+            stopping.start()
+            with Client(f"127.0.0.1:{server.port}", timeout=5) as probe:  # raises once the listener closes
+                wait_until(lambda: probe.health() == "NOT_SERVING", timeout=4)
+            deltas = list(stream)
+            assert deltas[-1].finish_reason == "length" and deltas[-1].num_generated_tokens == 100
+            stopping.join(timeout=30)
+            assert not stopping.is_alive()
+    finally:
+        server.stop(grace=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve_cmd(port: int) -> list[str]:
+    return [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", MODEL, "--port", str(port),
+            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+            "--log-stats-interval-s", "0", "--log-level", "warning"]
+
+
+def _statuses_until_serving(client: Client, proc: subprocess.Popen, timeout: float) -> list[str]:
+    """Poll health every 20 ms from process start; every distinct status seen, in order."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = client.health(timeout=2)
+        except grpc.RpcError:  # not listening yet
+            status = "NO_ANSWER"
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        if status == "SERVING":
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"never SERVING: saw {seen}, exit code {proc.poll()}")
+
+
+@pytest.mark.slow
+def test_jaxcpp_serve_answers_not_serving_during_the_compile_then_serving(tmp_path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(_serve_cmd(port), stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            env=os.environ.copy())
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=5) as client:
+            seen = _statuses_until_serving(client, proc, timeout=300)
+            assert [s for s in seen if s != "NO_ANSWER"] == ["NOT_SERVING", "SERVING"], (seen, log.read_text())
+            assert "listening on" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_during_warm_up_exits_0(tmp_path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(_serve_cmd(port), stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            env=os.environ.copy())
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=5) as client:
+            deadline = time.monotonic() + 120
+            while "listening on" not in log.read_text():
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.02)
+            assert client.health() == "NOT_SERVING"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
