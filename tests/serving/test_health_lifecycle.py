@@ -16,10 +16,11 @@ import grpc
 import pytest
 
 from jaxcpp.config import ServerConfig
+from jaxcpp.engine import LLMEngine
 from jaxcpp.serving import Client
 from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
 from tests.serving.conftest import MODEL, wait_until
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fakes import FAKE_ENGINE_FLAGS, fake_engine
 
 
 class SlowFactory:
@@ -29,10 +30,10 @@ class SlowFactory:
         self.release = threading.Event()
         self.started = threading.Event()
 
-    def __call__(self) -> FakeEngine:
+    def __call__(self) -> LLMEngine:
         self.started.set()
         assert self.release.wait(30), "the test never released the factory"
-        return FakeEngine()
+        return fake_engine()
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_not_serving_while_the_engine_builds_then_serving(warming_server) -> Non
             assert client.health(service) == "SERVING"
         out = client.generate("abc", max_tokens=3, temperature=0)
         assert out.num_generated_tokens == 3
-        assert client.model_info().max_model_len == FakeEngine().max_model_len
+        assert client.model_info().max_model_len == FAKE_ENGINE_FLAGS["max_model_len"]
 
 
 def test_the_api_key_is_checked_before_the_warm_up_answer(warming_server) -> None:
@@ -73,7 +74,7 @@ def test_the_api_key_is_checked_before_the_warm_up_answer(warming_server) -> Non
 
 
 def test_a_factory_that_fails_leaves_health_not_serving(warming_server) -> None:
-    def broken() -> FakeEngine:
+    def broken() -> LLMEngine:
         raise RuntimeError("no such model")
 
     with pytest.raises(RuntimeError, match="no such model"):
@@ -84,7 +85,7 @@ def test_a_factory_that_fails_leaves_health_not_serving(warming_server) -> None:
 
 def test_health_turns_not_serving_as_the_drain_starts_and_calls_in_flight_finish(monkeypatch) -> None:
     monkeypatch.setattr(Server, "drain_announce_s", 5.0)  # a wide window: the probe below must land in it
-    server = ServerThread(FakeEngine(step_delay_s=0.005), ServerConfig(port=0)).start()
+    server = ServerThread(fake_engine(step_delay_s=0.005), ServerConfig(port=0)).start()
     try:
         with Client(f"127.0.0.1:{server.port}", timeout=10) as client:
             stream = client.stream("abc", max_tokens=100, temperature=0)
