@@ -174,7 +174,7 @@ def _architecture(d: dict[str, Any]) -> str:
     _check(model_type is not None, "architectures", "missing (and no model_type to infer it from)")
     _check(model_type in MODEL_TYPES, "model_type",
            f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
-    return MODEL_TYPES[model_type]
+    return MODEL_TYPES[str(model_type)]
 
 
 def _required(d: dict[str, Any], key: str) -> Any:
@@ -187,10 +187,10 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params:
         _check("rope_theta" in params or "rope_theta" in d, "rope_parameters.rope_theta", "missing")
-        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        theta = float(params["rope_theta"] if "rope_theta" in params else d["rope_theta"])
         scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(d.get("rope_theta") if d.get("rope_theta") is not None else 10000.0)
+        theta = float(d["rope_theta"]) if d.get("rope_theta") is not None else 10000.0
         scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
     if scaling is not None:
         kind = scaling.pop("type", None)  # the pre-4.45 spelling

@@ -245,8 +245,8 @@ def run_layers(
             layer_md = md._replace(page_indices=md.page_indices + i * num_pages)
             return attention_fn(q, new_kv.k.reshape(pool), new_kv.v.reshape(pool), layer_md), new_kv
 
-        hidden, kv = layer.apply({"params": lp}, hidden, md.positions, attend)
-        return (hidden, kv), None
+        out: Any = layer.apply({"params": lp}, hidden, md.positions, attend)  # (hidden, kv)
+        return out, None
 
     (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_params, jnp.arange(num_layers)))
     return hidden, kv
@@ -258,7 +258,7 @@ def compute_logits(
     config: LlamaConfig,
 ) -> jax.Array:  # [..., V] float32
     """Final RMSNorm, then the LM head (the embedding matrix, transposed, when tied)."""
-    normed = RMSNorm(config.rms_norm_eps).apply({"params": {"scale": params["norm"]}}, hidden)
+    normed: Any = RMSNorm(config.rms_norm_eps).apply({"params": {"scale": params["norm"]}}, hidden)
     if "lm_head" in params:
         logits = normed @ params["lm_head"].astype(normed.dtype)
     else:

@@ -23,8 +23,16 @@ _FORMAT = "jaxcpp.latency_model/1"
 _KEYS = ("a", "b", "c", "gamma")
 
 
-def attention_area(prefix_len: np.ndarray | float, chunk: np.ndarray | float) -> np.ndarray | float:
-    """2·L·x + x²: the attention work of a chunk, the regressor of the `a` term."""
+@overload
+def attention_area(prefix_len: float, chunk: float) -> float: ...
+
+
+@overload
+def attention_area(prefix_len: np.ndarray, chunk: np.ndarray | float) -> np.ndarray: ...
+
+
+def attention_area(prefix_len, chunk):  # type: ignore[no-untyped-def]
+    """2·L·x + x²: the attention work of a chunk, the regressor of the `a` term (scalars or arrays)."""
     return 2.0 * prefix_len * chunk + chunk * chunk
 
 
@@ -45,6 +53,9 @@ class LatencyModel:
 
     @overload
     def predict(self, prefix_len: float, chunk: float) -> float: ...
+
+    @overload
+    def predict(self, prefix_len: np.ndarray | float, chunk: np.ndarray) -> np.ndarray: ...
 
     @overload
     def predict(self, prefix_len: np.ndarray, chunk: np.ndarray | float) -> np.ndarray: ...

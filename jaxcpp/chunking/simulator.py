@@ -146,7 +146,7 @@ def simulate(pipeline: Pipeline, policy: Any, budget: int,
     rng = np.random.default_rng(seed)
     loop = requests if isinstance(requests, ClosedLoop) else None
     initial = ([SimRequest(i, 0.0, loop.prompt_len) for i in range(min(loop.concurrency, loop.num_requests))]
-               if loop else list(requests))
+               if loop else list(requests))  # type: ignore[arg-type]  # not a ClosedLoop here
     pending = [(r.arrival_s, i, r) for i, r in enumerate(initial)]
     heapq.heapify(pending)
     issued = len(initial)

@@ -21,6 +21,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -79,7 +80,8 @@ class PipelineExecutor:
         if len(self._pending) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-        records, hidden = [], None
+        records: list[DispatchedStage] = []
+        hidden: Any = None
         for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             try:
                 if hidden is not None:
@@ -91,7 +93,7 @@ class PipelineExecutor:
                 raise ExecutorError(f"dispatching micro-batch {ticket} failed: {e}", stage=stage.index) from e
             records.append(DispatchedStage(ticket, stage.index, step.num_tokens_padded, ack, self._traced,
                                            dispatched, inputs, hidden))
-        out: StepOutput = hidden
+        out: StepOutput = hidden  # the last stage's output
         for wanted, array in ((want_tokens, out.tokens), (want_logits, out.logits)):
             if wanted:
                 array.copy_to_host_async()  # start home as soon as they exist

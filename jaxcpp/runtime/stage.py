@@ -84,7 +84,7 @@ class Stage:
         return list(self.mesh.devices.flat)
 
     def _jit(self, attention_fn: AttentionFn) -> Any:
-        out = StepOutput(self.replicated, self.replicated) if self.is_last else self.replicated
+        out: Any = StepOutput(self.replicated, self.replicated) if self.is_last else self.replicated  # type: ignore[arg-type]
         fn = functools.partial(self._forward, attention_fn=attention_fn)
         return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
                        out_shardings=(out, self._kv_shardings))
