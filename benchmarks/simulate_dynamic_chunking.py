@@ -7,7 +7,7 @@ its next prompt once the previous one's answer is done), fixed chunks of 8K/16K/
 equal-latency (base 32K, smoothing 0.75, min chunk 4096) and optimal (base 32K, min chunk 4096). The
 dynamic policies run through `DynamicChunkController` with the model installed, so the 16-step gate
 decides per step exactly as in the engine. Every number is predicted by the latency model below through
-the simulator in `jaxcpp.chunking.simulator`: a model, not a measurement.
+the simulator in `jaxcpp.tools.simulator`: a model, not a measurement.
 
 Coefficients, per pipeline stage at PP 4 (seconds): a : b : γ = 1 : 18500 : 1630, the ratios of the
 conformance example in DYNAMIC_CHUNKING.md, which yield the chunk sequence ATOM documents for Kimi-K2.5
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.planner import ChunkSettings
-from jaxcpp.chunking.simulator import ClosedLoop, FixedPolicy, Pipeline, SimResult, simulate
+from jaxcpp.tools.simulator import ClosedLoop, FixedPolicy, Pipeline, SimResult, simulate
 
 A_PP4 = 2.9e-10
 MODEL_PP4 = LatencyModel(a=A_PP4, b=18500 * A_PP4, c=0.02, gamma=1630 * A_PP4)

@@ -50,9 +50,10 @@ class FakeExecutor:
         self.step_delay_s = step_delay_s
         self.vocab_size = vocab_size        # the width of the one-hot logits it returns when asked
         self.steps: list[StepInput] = []    # every step submitted after warm-up, for tests to inspect
-        self._pending: deque[tuple[int, StepResult]] = deque()
+        self._pending: deque[tuple[int, StepResult, float]] = deque()
         self._next_ticket = 0
         self._stage_free = [0.0] * num_stages   # the virtual clock: when each stage is next idle
+        self.clock = 0.0                        # when the last collected micro-batch left the last stage
         self._programs: set[tuple[int, int]] = set()
         self._compilations = 0
         self._warm = False
@@ -90,15 +91,16 @@ class FakeExecutor:
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
         logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
         timings = self._run_stages(ticket, step)
-        self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits,
-                                                 timings if ack else ())))
+        self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits, timings if ack else ()),
+                              timings[-1].done))
         return ticket
 
     def collect(self, ticket: int) -> StepResult:
-        head, result = self._pending[0]
+        head, result, done = self._pending[0]
         if head != ticket:
             raise ValueError(f"tickets are collected in FIFO order: expected {head}, got {ticket}")
         self._pending.popleft()
+        self.clock = max(self.clock, done)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return result
@@ -137,7 +139,7 @@ class FakeExecutor:
 
     def _run_stages(self, ticket: int, step: StepInput) -> tuple[StageTiming, ...]:
         seconds = self.step_seconds(step)
-        timings, ready = [], self._stage_free[0]
+        timings, ready = [], max(self._stage_free[0], self.clock)
         for s in range(self.num_stages):
             start = max(ready, self._stage_free[s])
             done = start + seconds

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     if args.plot:
-        from jaxcpp.chunking.plot import plot_timelines
-        from jaxcpp.chunking.simulator import Pipeline, simulate_plan
+        from jaxcpp.tools.plot import plot_timelines
+        from jaxcpp.tools.simulator import Pipeline, simulate_plan
 
         pipeline = Pipeline(model, settings.pipeline_parallel_size, settings.stage_weights)
         runs = {plan["name"]: simulate_plan(pipeline, plan["chunks"]) for plan in report["plans"][1::-1]}

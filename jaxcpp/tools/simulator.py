@@ -3,7 +3,12 @@
 How it moves: a step loop like the engine's. Whenever stage 0 is free and fewer than `max_in_flight`
 batches are in the pipeline, the scheduler forms a batch: it tells the policy how many requests could
 prefill (`observe_step`, so the controller's gate decides as it would in the engine), then asks it for
-a chunk per request, first come first served, until the token budget is spent. The batch then flows
+a chunk per request (`prefill_chunk`), first come first served, until the token budget is spent. The
+policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's one chunk-sizing protocol: the controller, or
+`FixedPolicy` / `PlanPolicy` here.
+
+`simulate_engine` instead drives the real engine (scheduler, pages, controller) on a `FakeExecutor`
+whose virtual clock runs the same flow shop: the two agree for a lone prompt (a test checks it). The batch then flows
 through the stages in order (stage j takes w_j·t, a hop between stages costs hop_s + hop_s_per_token·n),
 each stage taking batches in order. A request's TTFT is when its last chunk leaves the last stage.
 
@@ -19,49 +24,38 @@ import heapq
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.scheduler import ChunkSizer, FixedChunkSizer
+
+if TYPE_CHECKING:
+    from jaxcpp.engine import LLMEngine
 
 
-class ChunkPolicy(Protocol):
-    def observe_step(self, num_prefill_sources: int) -> None: ...
+class FixedPolicy(FixedChunkSizer):
+    """Fixed chunking: as much of the prompt as the budget allows, at most `chunk`."""
 
-    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int,
-                       budget: int) -> int: ...
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
 
-
-@dataclass(frozen=True)
-class FixedPolicy:
-    """Fixed chunking: as much of the prompt as the budget allows."""
-
-    chunk: int
-
-    def observe_step(self, num_prefill_sources: int) -> None:
-        pass
-
-    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int,
-                       budget: int) -> int:
-        return min(self.chunk, budget, prompt_len - num_computed_tokens)
+    def prefill_chunk(self, seq: Any, budget_left: int, step_tokens: int) -> int:
+        return min(self.chunk, budget_left, seq.num_remaining)
 
 
-@dataclass
-class PlanPolicy:
+class PlanPolicy(FixedChunkSizer):
     """Replays a precomputed plan (any policy's) for every request, in order."""
 
-    chunks: Sequence[int]
-    _next: dict[Hashable, int] = field(default_factory=dict)
+    def __init__(self, chunks: Sequence[int]) -> None:
+        self.chunks = list(chunks)
+        self._next: dict[Hashable, int] = {}
 
-    def observe_step(self, num_prefill_sources: int) -> None:
-        pass
-
-    def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int,
-                       budget: int) -> int:
-        i = self._next.get(request_id, 0)
-        self._next[request_id] = i + 1
-        return min(self.chunks[i], budget, prompt_len - num_computed_tokens)
+    def prefill_chunk(self, seq: Any, budget_left: int, step_tokens: int) -> int:
+        i = self._next.get(seq.request_id, 0)
+        self._next[seq.request_id] = i + 1
+        return min(self.chunks[i], budget_left, seq.num_remaining)
 
 
 @dataclass(frozen=True)
@@ -135,14 +129,28 @@ def poisson_arrivals(rate_per_s: float, num_requests: int, prompt_len: int | Seq
 
 @dataclass
 class _Live:
+    """A request in flight, shaped like the `Sequence` a ChunkSizer is asked about."""
+
     request: SimRequest
     scheduled: int = 0
 
+    @property
+    def request_id(self) -> Hashable:
+        return self.request.request_id
 
-def simulate(pipeline: Pipeline, policy: Any, budget: int,
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.scheduled
+
+    @property
+    def num_remaining(self) -> int:
+        return self.request.prompt_len - self.scheduled
+
+
+def simulate(pipeline: Pipeline, policy: ChunkSizer, budget: int,
              requests: Sequence[SimRequest] | ClosedLoop, timing_noise: float = 0.0,
              seed: int = 0) -> SimResult:
-    """Run the workload to completion; `policy` follows `ChunkPolicy` (the controller does)."""
+    """Run the workload to completion under `policy` (any `ChunkSizer`: the controller, FixedPolicy...)."""
     rng = np.random.default_rng(seed)
     loop = requests if isinstance(requests, ClosedLoop) else None
     initial = ([SimRequest(i, 0.0, loop.prompt_len) for i in range(min(loop.concurrency, loop.num_requests))]
@@ -172,9 +180,7 @@ def simulate(pipeline: Pipeline, policy: Any, budget: int,
         for entry in live:
             if left <= 0:
                 break
-            r = entry.request
-            size = min(policy.chunk_size_for(r.request_id, r.prompt_len, entry.scheduled, left),
-                       left, r.prompt_len - entry.scheduled)
+            size = min(policy.prefill_chunk(entry, left, budget - left), left, entry.num_remaining)
             if size > 0:
                 pieces.append((entry, entry.scheduled, size))
                 entry.scheduled += size
@@ -192,18 +198,16 @@ def simulate(pipeline: Pipeline, policy: Any, budget: int,
             arrive = stage_free[stage] + pipeline.hop_s + pipeline.hop_s_per_token * tokens
         done = stage_free[-1]
         in_flight.append(done)
-        if hasattr(policy, "record_timing"):
-            measured = max(weights) * forward * (1.0 + timing_noise * rng.uniform(-1.0, 1.0))
-            entry, prefix, size = pieces[0]
-            policy.record_timing(size, prefix, measured, len(pieces) == 1, entry.request.request_id)
+        measured = max(weights) * forward * (1.0 + timing_noise * rng.uniform(-1.0, 1.0))
+        entry, prefix, size = pieces[0]
+        policy.record_timing(size, prefix, measured, len(pieces) == 1, entry.request.request_id)
         for entry, _, size in pieces:
             r = entry.request
             result.chunks.setdefault(r.request_id, []).append(size)
             if entry.scheduled == r.prompt_len:
                 result.ttft[r.request_id] = done - r.arrival_s
                 live.remove(entry)
-                if hasattr(policy, "finish_request"):
-                    policy.finish_request(r.request_id)
+                policy.finish_request(r.request_id)
                 if loop and issued < loop.num_requests:
                     heapq.heappush(pending, (done + loop.think_s, issued,
                                              SimRequest(issued, done + loop.think_s, loop.prompt_len)))
@@ -216,3 +220,22 @@ def simulate_plan(pipeline: Pipeline, chunks: Sequence[int]) -> SimResult:
     """One prompt of sum(chunks) tokens, alone, cut exactly as `chunks`."""
     total = int(sum(chunks))
     return simulate(pipeline, PlanPolicy(list(chunks)), max(chunks), [SimRequest(0, 0.0, total)])
+
+
+def simulate_engine(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, float]:
+    """TTFT of each prompt (all arriving at 0) on the real engine over a FakeExecutor's virtual clock:
+    the real scheduler and chunk controller size every chunk, the fake's flow shop times them."""
+    from jaxcpp.fake_executor import FakeExecutor
+    from jaxcpp.sampling_params import SamplingParams
+
+    fake = engine.executor
+    if not isinstance(fake, FakeExecutor):
+        raise TypeError("simulate_engine needs an engine built on a FakeExecutor")
+    start = fake.clock
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    ttft: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ttft.setdefault(out.request_id, fake.clock - start)
+    return ttft

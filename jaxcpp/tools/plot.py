@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from jaxcpp.chunking.simulator import SimResult
+from jaxcpp.tools.simulator import SimResult
 
 
 def plot_timelines(results: Mapping[str, SimResult], path: str | Path, title: str = "") -> None:

@@ -7,13 +7,14 @@ from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import predicted_ttft
 from jaxcpp.chunking.planner import ChunkSettings, plan_fixed
 from jaxcpp.chunking.policy import plan_chunks
-from jaxcpp.chunking.simulator import (
+from jaxcpp.tools.simulator import (
     ClosedLoop,
     FixedPolicy,
     Pipeline,
     SimRequest,
     poisson_arrivals,
     simulate,
+    simulate_engine,
     simulate_plan,
 )
 
@@ -75,3 +76,30 @@ def test_calibration_end_to_end_installs_a_model_near_the_truth():
     simulate(Pipeline(TRUE, 4), controller, 32768, ClosedLoop(1, 4, 131072), timing_noise=0.002, seed=3)
     assert controller.state == "installed"
     assert controller.model.a == pytest.approx(TRUE.a, rel=0.05)
+
+
+def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline():
+    """One chunk-sizing protocol: the controller sizes a lone prompt the same way inside the real
+    engine (on a FakeExecutor's virtual flow shop) as inside `simulate`, and the TTFTs agree."""
+    from jaxcpp.config import EngineConfig
+    from jaxcpp.engine import LLMEngine
+    from jaxcpp.fake_executor import FakeExecutor
+
+    model = LatencyModel(a=2e-7, b=1e-4, c=2e-3, gamma=1e-6)
+    config = EngineConfig.from_kwargs(model="tiny", max_model_len=2048, max_num_batched_tokens=512, num_pages=200,
+                                      pipeline_parallel_size=2, enable_dynamic_chunking=True,
+                                      dynamic_chunking_min_chunk_size=64, dynamic_chunking_smooth_factor=1.0,
+                                      log_stats_interval_s=0)
+    fake = FakeExecutor(num_stages=2, latency=model)
+    engine = LLMEngine(config, executor=fake)
+    engine.chunking.install(model)
+    ttft = simulate_engine(engine, {"lone": [3] * 1900})["lone"]
+    engine_chunks = [int(s.cu_q_lens[1]) for s in fake.steps]
+
+    settings = ChunkSettings(budget=512, smooth_factor=1.0, min_chunk_size=64, pipeline_parallel_size=2,
+                             allowed_sizes=tuple(engine.sizing.token_buckets))
+    sim = simulate(Pipeline(model, 2), DynamicChunkController(settings, model=model), 512,
+                   [SimRequest("lone", 0.0, 1900)])
+    assert engine_chunks == sim.chunks["lone"] and engine_chunks[0] == 512 and engine_chunks[1] < 512
+    # The engine pays the padding of the last (remainder) chunk on each stage; the simulator does not.
+    assert 0 <= ttft - sim.ttft["lone"] <= 2 * model.b * 63 + 1e-12
