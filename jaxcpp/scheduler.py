@@ -18,42 +18,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jaxcpp.config import SchedulerConfig
 from jaxcpp.executor import StepResult
 from jaxcpp.page_allocator import PageAllocator
 from jaxcpp.sequence import Sequence, SequenceStatus
+from jaxcpp.step_input import ScheduledChunk, SchedulerOutput
 
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int           # first token position of the chunk (the cached prefix length)
-    num_tokens: int
-    samples: bool        # the chunk reaches the sequence's last token, so the step samples one
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
-    num_decodes: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-    ack: bool = False    # the chunk sizer needs this step's timing: the head waits for the last stage
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-    @property
-    def samples(self) -> bool:
-        """Some chunk reaches its sequence's end, so the step's tokens are needed."""
-        return any(c.samples for c in self.chunks)
+__all__ = ["ChunkSizer", "FixedChunkSizer", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StopRule"]
 
 
 class ChunkSizer(Protocol):

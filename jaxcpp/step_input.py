@@ -1,4 +1,4 @@
-"""Turn a scheduled step into padded host arrays: one bucket-shaped batch, moved in one transfer (no jax).
+"""A scheduled step (`SchedulerOutput`) -> padded host arrays: one bucket-shaped batch, one transfer (no jax).
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
 token bucket T and the sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
@@ -14,16 +14,47 @@ layout (names, shapes, dtypes) follows from the bucket, so it adds no programs.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from jaxcpp.buckets import pad_to_bucket, seq_bucket
 from jaxcpp.page_allocator import RESERVED_PAGE
+from jaxcpp.sequence import Sequence
 
-if TYPE_CHECKING:
-    from jaxcpp.scheduler import SchedulerOutput
+
+# ---- what the scheduler decided for one step (plain data; `jaxcpp.scheduler` makes it) -------------
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int           # first token position of the chunk (the cached prefix length)
+    num_tokens: int
+    samples: bool        # the chunk reaches the sequence's last token, so the step samples one
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    ack: bool = False    # the chunk sizer needs this step's timing: the head waits for the last stage
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def samples(self) -> bool:
+        """Some chunk reaches its sequence's end, so the step's tokens are needed."""
+        return any(c.samples for c in self.chunks)
+
+
+# ---- the step's padded arrays ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
