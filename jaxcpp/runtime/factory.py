@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def enable_compilation_cache() -> None:
     """A persistent XLA cache makes restarts (and repeated test engines) skip compiles."""
     path = os.environ.get("JAXCPP_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxcpp/xla"))
-    if path and not jax.config.read("jax_compilation_cache_dir"):
+    if path and not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
