@@ -43,7 +43,8 @@ def test_json_for_machines_from_a_model_file(tmp_path, capsys):
 def test_plot_writes_a_png(tmp_path, capsys):
     out = tmp_path / "timeline.png"
     assert cli.main(["chunk-plan", "--prompt-len", "20000", "--max-num-batched-tokens", "8192",
-                     "--pipeline-parallel-size", "2", "--coeffs", "1,2000,0,100", "--dynamic-chunking-min-chunk-size", "1024",
+                     "--pipeline-parallel-size", "2", "--coeffs", "1,2000,0,100",
+                     "--dynamic-chunking-min-chunk-size", "1024",
                      "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
