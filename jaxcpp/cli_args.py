@@ -36,7 +36,7 @@ def _help_with_default(fld: dataclasses.Field[Any], required: bool) -> str:
     help_text = fld.metadata.get("help", "")
     if required:
         return f"{help_text} (required)"
-    if "default" in help_text:  # the help explains its own default (e.g. one read from the environment)
+    if "(default" in help_text:  # the help explains its own default (e.g. one read from the environment)
         return help_text
     return f"{help_text} (default: {_describe_default(fld.default)})"
 

@@ -129,7 +129,7 @@ class ChunkingConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = opt("127.0.0.1", "address to bind (loopback by default)")
+    host: str = opt("127.0.0.1", "address to bind; the default is loopback only")
     port: int = opt(50051, "gRPC port (0: pick a free one)")
     metrics_port: int | None = opt(None, "serve Prometheus metrics on this port")
     max_queue_size: int = opt(256, "requests waiting or running before RESOURCE_EXHAUSTED")

@@ -42,8 +42,10 @@ def add_parser(subparsers: Any) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--coeffs", help="latency model a,b,c,gamma of one pipeline stage, in seconds, e.g. "
                         "2.9e-10,5.365e-6,0.02,4.727e-7 (ratios such as 1,18500,0,1630 plan the same chunks, "
-                        "but the times printed are then in those units, not seconds)")
-    source.add_argument("--model-file", help="latency model JSON (LatencyModel.save; calibration writes seconds)")
+                        "but the times printed are then in those units, not seconds; this or --model-file "
+                        "is required)")
+    source.add_argument("--model-file", help="latency model JSON (LatencyModel.save; calibration writes "
+                        "seconds; this or --coeffs is required)")
     for config_cls, names in _ENGINE_FLAGS:
         add_config_args(p, config_cls, only=names, required=_REQUIRED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
