@@ -54,9 +54,9 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
-        log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens",
-                 len(self.shape.token_buckets), self.shape.token_buckets, self.warmup_seconds,
-                 self.model.num_pages, self.page_size)
+        log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
+                 "padding page)", len(self.shape.token_buckets), self.shape.token_buckets, self.warmup_seconds,
+                 self.allocator.num_usable, self.page_size)
 
     def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.chunking.enable_dynamic_chunking:

@@ -25,7 +25,8 @@ class StatsLogger:
         self._last_generation = 0
 
     def count_scheduled(self, sched: SchedulerOutput) -> None:
-        self.generation_tokens_total += sched.num_decodes
+        # Every chunk that samples makes a token: the decodes, and the last prefill chunk (first token).
+        self.generation_tokens_total += sum(1 for chunk in sched.chunks if chunk.samples)
         self.prompt_tokens_total += sched.num_tokens - sched.num_decodes
 
     def maybe_log(self, engine: LLMEngine) -> None:

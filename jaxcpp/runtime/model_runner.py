@@ -50,6 +50,7 @@ def warm_up_buckets(run: Callable[[StepInput], object], token_buckets: list[int]
                     pages_per_seq: int, where: str = "") -> float:
     """Run (and so compile) one all-padding step per bucket, with a progress line each. Returns seconds."""
     compile_guard.install()
+    log.info("compiling %d programs%s, one per token bucket %s ...", len(token_buckets), where, token_buckets)
     start = time.perf_counter()
     for i, num_tokens in enumerate(token_buckets, 1):
         t0 = time.perf_counter()
