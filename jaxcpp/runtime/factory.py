@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,26 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def resolve_dtype(requested: str, backend: str) -> str:
+    """`--dtype auto` means the checkpoint's, except on CPU: float32 there, since bfloat16 matmuls on
+    the CPU backend are emulated and run several times slower. An explicit dtype is always honoured."""
+    if requested == "auto" and backend == "cpu":
+        log.info("--dtype auto on the CPU backend: float32 (bfloat16 is emulated there; "
+                 "give --dtype bfloat16 to keep the checkpoint's)")
+        return "float32"
+    return requested
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     enable_compilation_cache()
-    model_config, params, tokenizer = resolve_model(config.model.model, config.model.dtype)
+    start = time.perf_counter()
+    dtype_name = resolve_dtype(config.model.dtype, jax.default_backend())
+    model_config, params, tokenizer = resolve_model(config.model.model, dtype_name)
     # Host copies: staging places them, so no full copy lingers on device 0.
     params = jax.tree_util.tree_map(np.asarray, params)
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    log.info("weights loaded: %s (%s, %d layers, %s) in %.1fs", config.model.model, model_config.architecture,
+             model_config.num_hidden_layers, dtype, time.perf_counter() - start)
     max_model_len = config.model.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
