@@ -1,33 +1,57 @@
 # Two commands matter: `make serve` (the main job on the bundled model) and `make test` (the suite).
-# Both set up everything from nothing: a fresh machine needs only python3.
+# Both set up everything from nothing: a fresh machine needs only Python >= 3.11 (PY=... picks one).
+# `serve`/`generate` install the package alone; `test`/`setup` add the test and parity extras (torch).
+# A setup that fails removes the venv, so the next run starts clean instead of reusing a broken one.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed
+PKG_STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+MIN_PY  := 3.11
 
 .PHONY: setup serve generate test test-fast lint clean
 
-$(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test,parity]"
-	touch $(STAMP)
+# The version check runs before the venv is created; its message names the interpreter and version.
+# It runs only when there is no venv yet: one made with PY=python3.12 keeps working whatever python3 is.
+CHECK_PYTHON = found=$$($(PY) -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) \
+	  || { echo "make: cannot run '$(PY)' as Python; give one >= $(MIN_PY): make ... PY=/path/to/python3.11" >&2; \
+	       exit 1; }; \
+	if [ "$$(printf '%s\n%s\n' "$(MIN_PY)" "$$found" | sort -V | head -n 1)" != "$(MIN_PY)" ]; then \
+	  echo "make: $$(command -v $(PY) || echo $(PY)) is Python $$found; jaxcpp needs Python >= $(MIN_PY):" \
+	       "make ... PY=/path/to/python3.11 (or newer)" >&2; \
+	  exit 1; \
+	fi
+SETUP_FAILED = { rm -rf $(VENV); echo "make: setup failed; removed $(VENV) so the next run starts clean" >&2; exit 1; }
 
-setup: $(STAMP)
+# Build, then stamp; on any failure remove the venv (a half-made one would be reused by the next run).
+$(PKG_STAMP): pyproject.toml
+	@if [ ! -x $(BIN)/python ]; then $(CHECK_PYTHON); fi
+	@{ [ -x $(BIN)/python ] || $(PY) -m venv $(VENV); } \
+	  && $(BIN)/pip install --quiet --upgrade pip \
+	  && $(BIN)/pip install --quiet -e . \
+	  && touch $@ \
+	  || $(SETUP_FAILED)
 
-serve: $(STAMP)
+$(TEST_STAMP): $(PKG_STAMP) pyproject.toml
+	@$(BIN)/pip install --quiet -e ".[test,parity]" \
+	  && touch $@ \
+	  || $(SETUP_FAILED)
+
+setup: $(TEST_STAMP)
+
+serve: $(PKG_STAMP)
 	$(BIN)/jaxcpp serve --model tiny --host 127.0.0.1 --port 50051
 
-generate: $(STAMP)
+generate: $(PKG_STAMP)
 	$(BIN)/jaxcpp generate --model tiny --prompt "def fibonacci(n):" --max-tokens 64
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 

@@ -4,10 +4,10 @@
 most `--max-concurrency` in flight; prompts are random token ids of `--random-input-len` (±range
 ratio) or come from a JSONL dataset ({"prompt": str | [ids], "output_len": int}); every request
 streams `output_len` tokens (ignore_eos). Optionally a long prompt is injected at fixed times
-(`--inject-long-prompt N --inject-every S`): the chunked-prefill ITL study of seed 002 §7. Reports
-TTFT, TPOT, ITL and end-to-end latency (mean, median, p99 and --percentiles), request and token
-throughput, goodput under `--goodput` SLOs; `--result-file` writes all of it, with per-request
-token timestamps, as JSON.
+(`--inject-long-prompt N --inject-every S`): the chunked-prefill ITL study of Sarathi-Serve
+(docs/benchmarks.md). Reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p99 and
+--percentiles), request and token throughput, goodput under `--goodput` SLOs; `--result-file`
+writes all of it, with per-request token timestamps, as JSON.
 
 `sweep`: starts one `jaxcpp serve` per configuration (chunking off, then each
 `--max-num-batched-tokens`), runs the same workload against each, and writes the markdown table and

@@ -10,7 +10,7 @@ decides per step exactly as in the engine. Every number is predicted by the late
 the simulator in `jaxcpp.tools.simulator`: a model, not a measurement.
 
 Coefficients, per pipeline stage at PP 4 (seconds): a : b : γ = 1 : 18500 : 1630, the ratios of the
-conformance example in DYNAMIC_CHUNKING.md, which yield the chunk sequence ATOM documents for Kimi-K2.5
+conformance example in docs/dynamic_chunking.md, which yield the chunk sequence ATOM documents for Kimi-K2.5
 at 128K on PP4. The scale is a back-of-envelope count for that
 model on one MI355X per stage: 32B active parameters -> 16 GFLOP per token per stage at ~3 PFLOP/s of
 MXFP4 MoE throughput gives b ~ 5.3e-6; MLA prefill attention (64 heads, qk 192 + v 128 per layer,
@@ -41,7 +41,9 @@ BASE = 32768
 FIXED = (8192, 16384, 32768)
 REQUESTS_PER_CLIENT = 4
 
-# ATOM PR #2007 (seed 000): Kimi-K2.5-MXFP4, MI355X, PP4 x TP1 prefill, fixed-length prompts;
+# ATOM's Dynamic Chunked Pipeline Parallel guide
+# (https://rocm.docs.amd.com/projects/atom/en/latest/dynamic_chunking_guide.html):
+# Kimi-K2.5-MXFP4, MI355X, PP4 x TP1 prefill, fixed-length prompts;
 # (throughput change, mean TTFT improvement); None where the page gives no number.
 ATOM = {
     (131072, 1): {"vs 32K": (43.7, 34.3), "vs best": (2.9, 3.3)},
@@ -113,7 +115,7 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
         "hops 0.2 ms + 2.2e-7 s/token, P batches in flight, closed-loop clients with 3.2 s between "
         f"requests, {REQUESTS_PER_CLIENT} requests per client. Gains are TTFT improvements "
         "(positive: dynamic is faster); ATOM's column is throughput change / mean TTFT improvement "
-        "as reported in seed 000 (PP4, Kimi-K2.5-MXFP4 on MI355X, fixed-length prompts).", "",
+        "as ATOM's Dynamic CPP guide reports it (PP4, Kimi-K2.5-MXFP4 on MI355X, fixed-length prompts).", "",
         *lines,
     ]) + "\n"
 

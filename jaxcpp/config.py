@@ -36,7 +36,8 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
 class ModelConfig:
     model: str = opt("tiny", "model: 'tiny' (bundled), a Hugging Face folder (config.json + safetensors) "
                      "or an orbax checkpoint folder written by jaxcpp")
-    dtype: str = opt("auto", "parameter/activation dtype: auto (checkpoint's), float32, bfloat16, float16",
+    dtype: str = opt("auto", "parameter/activation dtype: auto (the checkpoint's; float32 on the CPU backend, "
+                     "where bfloat16 is emulated), float32, bfloat16, float16",
                      choices=("auto", "float32", "bfloat16", "float16"))
     max_model_len: int | None = opt(None, "longest prompt + output, in tokens (default: the model's)")
     seed: int = opt(0, "seed for parameter init of random models and for unseeded sampling")
@@ -102,8 +103,11 @@ class ParallelConfig:
             raise ConfigError(f"--pp-partition: expected integers like 6,6,6,8, got {self.pp_partition!r}") from None
 
 
+DEFAULT_SMOOTH_FACTOR = 0.75  # the one default of --dynamic-chunking-smooth-factor (ChunkSettings uses it)
+
+
 def _default_smooth_factor() -> float:
-    return float(os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "0.75"))
+    return float(os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", str(DEFAULT_SMOOTH_FACTOR)))
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class ChunkingConfig:
     dynamic_chunking_smooth_factor: float = field(
         default_factory=_default_smooth_factor,
         metadata={"help": "0 = fixed chunks, 1 = the solved equal-latency chunk "
-                          "(default: env JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR, else 0.75)"})
+                          f"(default: env JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR, else {DEFAULT_SMOOTH_FACTOR})"})
     dynamic_chunking_min_chunk_size: int = opt(4096, "smallest chunk the solver may choose")
     dynamic_chunking_policy: str = opt("equal-latency", "equal-latency (ATOM's rule) or optimal "
                                        "(plan all chunks to minimise predicted TTFT)",
@@ -127,7 +131,7 @@ class ChunkingConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = opt("127.0.0.1", "address to bind (loopback by default)")
+    host: str = opt("127.0.0.1", "address to bind; the default is loopback only")
     port: int = opt(50051, "gRPC port (0: pick a free one)")
     metrics_port: int | None = opt(None, "serve Prometheus metrics on this port")
     max_queue_size: int = opt(256, "requests waiting or running before RESOURCE_EXHAUSTED")

@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections import deque
+from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig
@@ -42,9 +43,11 @@ class LLMEngine:
                  record_logits: bool = False) -> None:
         self.config = config
         self.record_logits = record_logits
-        self.sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
+        device = _device_side() if executor is None else None
+        dtype = device.resolve_dtype(config.model.dtype) if device is not None else config.model.dtype
+        self.sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, dtype))
         self.tokenizer = self.sizing.spec.tokenizer
-        self.executor: Executor = executor if executor is not None else _real_executor(config, self.sizing)
+        self.executor: Executor = executor if executor is not None else device.build_executor(config, self.sizing)
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.chunking: ChunkSizer = self._build_chunk_sizer()
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.sizing.page_size, self.chunking,
@@ -56,7 +59,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
-        log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved)",
+        log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
+                 "padding page)",
                  len(self.sizing.token_buckets), self.sizing.token_buckets, self.warmup_seconds,
                  self.allocator.num_usable, self.sizing.page_size)
 
@@ -195,8 +199,9 @@ class LLMEngine:
                          c.parallel.tensor_parallel_size, self.sizing.eos_token_ids)
 
 
-def _real_executor(config: EngineConfig, sizing: EngineSizing) -> Executor:
-    """The device side, imported here so that importing the engine never imports jax."""
-    from jaxcpp.runtime.factory import build_executor
+def _device_side() -> Any:
+    """The device side (`jaxcpp.runtime.factory`), imported here so that importing the engine never
+    imports jax: only building the real executor does."""
+    from jaxcpp.runtime import factory
 
-    return build_executor(config, sizing)
+    return factory

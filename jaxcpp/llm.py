@@ -13,6 +13,7 @@ from typing import Any
 from jaxcpp.config import EngineConfig
 from jaxcpp.engine import LLMEngine
 from jaxcpp.executor import Executor
+from jaxcpp.logs import show_startup_progress
 from jaxcpp.outputs import RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig, record_logits: bool, executor: Executor | None) -> None:
+        show_startup_progress()  # a sign of life while weights load and every bucket compiles (jaxcpp.logs)
         self.engine = LLMEngine(config, executor, record_logits=record_logits)
         self._ids = itertools.count()
 

@@ -1,11 +1,14 @@
-"""gRPC serving: proto, server, client stubs and the `jaxcpp` CLI. Never imports jax directly."""
+"""gRPC serving: proto, server, client stubs and the `jaxcpp` CLI. Never imports jax directly.
+
+`Client`, `AsyncClient` and `ClientError` (what every failed client call raises) load lazily.
+"""
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["Client", "AsyncClient"]
+__all__ = ["Client", "AsyncClient", "ClientError"]
 
 if TYPE_CHECKING:
-    from jaxcpp.serving.client import AsyncClient, Client
+    from jaxcpp.serving.client import AsyncClient, Client, ClientError
 
 
 def __getattr__(name: str) -> Any:

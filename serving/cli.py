@@ -3,38 +3,76 @@
     jaxcpp serve --model tiny --port 50051                      # gRPC server (engine + server flags)
     jaxcpp client "def quicksort(" --max-tokens 64 --stream     # talk to it
     jaxcpp generate --model tiny --prompt "def fibonacci(n):"   # offline, no server
-    jaxcpp chunk-plan ...                                       # dynamic chunking plans (jaxcpp.chunking.cli)
+    jaxcpp generate --prompt-file long_prompt.txt               # or `--prompt-file -` for stdin
+    jaxcpp chunk-plan ...                                       # dynamic chunking plans (jaxcpp.tools.chunk_plan)
 
-Engine flags come from the config dataclasses (`jaxcpp.cli_args`), so they match the Python API.
-Only `serve` and `generate` import the engine (and so jax); `client` needs only grpc.
+Engine flags come from the config dataclasses (`jaxcpp.cli_args`), so they match the Python API, and
+every flag's help shows its default. A prompt is text (`--prompt`, or `client`'s positional argument),
+a file's exact contents (`--prompt-file PATH`, `-` for stdin) or token ids (`--prompt-token-ids`).
+Only `serve` and `generate` import the engine (and so jax); `client` needs only grpc. `generate`
+checks everything it can (flags, prompt, tokenizer) before it loads the model and compiles.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from jaxcpp.chunking.cli import add_parser as add_chunk_plan_parser
 from jaxcpp.cli_args import add_config_args, add_engine_args, engine_config_from_args, server_config_from_args
 from jaxcpp.config import ConfigError, ServerConfig
 from jaxcpp.errors import InvalidRequestError, ModelLoadError
+from jaxcpp.logs import configure_cli_logging
+from jaxcpp.tools.chunk_plan import add_parser as add_chunk_plan_parser
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     group.add_argument("--temperature", type=float, default=None,
                        help="0 = greedy (default: the engine's, 1.0)")
-    group.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
-    group.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    group.add_argument("--top-k", type=int, default=None,
+                       help="keep the k most likely tokens (default: the engine's, 0 = off)")
+    group.add_argument("--top-p", type=float, default=None,
+                       help="nucleus mass in (0, 1] (default: the engine's, 1.0 = off)")
     group.add_argument("--seed", dest="sampling_seed", metavar="SEED", type=int, default=None,
-                       help="seed of this request's sampler")
-    group.add_argument("--stop-token-ids", type=_int_list, default=(), help="comma-separated stop ids")
-    group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+                       help="seed of this request's sampler (default: drawn from the engine's --seed)")
+    group.add_argument("--stop-token-ids", type=_int_list, default=(),
+                       help="comma-separated stop ids (default: none)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (default: off)")
+
+
+def _add_prompt_args(parser: argparse.ArgumentParser, text_flag: bool) -> None:
+    """--prompt (generate; client takes it positionally), --prompt-file and --prompt-token-ids: one of them."""
+    group = parser.add_mutually_exclusive_group()
+    which = (" (one of --prompt, --prompt-file, --prompt-token-ids is required)" if text_flag
+             else " (default: none; or give the prompt text as the positional argument)")
+    if text_flag:
+        group.add_argument("--prompt", default=None, help="prompt text" + which)
+    group.add_argument("--prompt-file", metavar="PATH", default=None,
+                       help="read the prompt from this file, exactly as it is (UTF-8); '-' reads stdin" + which)
+    group.add_argument("--prompt-token-ids", type=_int_list, default=None,
+                       help="prompt as comma-separated token ids (for models without a tokenizer)" + which)
+
+
+def _read_prompt(args: argparse.Namespace) -> str | list[int] | None:
+    """The prompt from whichever of text, file, stdin or token ids was given; None when none was."""
+    if args.prompt_token_ids is not None:
+        return args.prompt_token_ids
+    if args.prompt_file is None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidRequestError("--prompt-file", f"cannot read {args.prompt_file}: {err}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,8 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from jaxcpp.serving.server import Server, serve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
 
@@ -91,20 +128,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 # -- client --------------------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> int:
-    import grpc
+    from jaxcpp.serving.client import Client, ClientError
 
-    from jaxcpp.serving.client import Client
-
+    if args.prompt is not None and (args.prompt_file is not None or args.prompt_token_ids is not None):
+        print("jaxcpp client: give the prompt once: as text, --prompt-file or --prompt-token-ids", file=sys.stderr)
+        return 2
+    prompt = _read_prompt(args)
     with Client(args.target, api_key=args.api_key, tls=args.tls, root_certificates=args.tls_ca,
                 server_name=args.server_name, timeout=args.timeout) as client:
         try:
-            return _client_call(client, args)
-        except grpc.RpcError as err:
-            print(f"jaxcpp client: {err.code().name}: {err.details()}", file=sys.stderr)
+            return _client_call(client, args, prompt)
+        except ClientError as err:
+            print(f"jaxcpp client: {err.status.name}: {err.message}", file=sys.stderr)
             return 1
 
 
-def _client_call(client: Any, args: argparse.Namespace) -> int:
+def _client_call(client: Any, args: argparse.Namespace, prompt: str | list[int] | None) -> int:
     if args.health:
         print(client.health())
         return 0
@@ -114,11 +153,10 @@ def _client_call(client: Any, args: argparse.Namespace) -> int:
     if args.stats:
         print(client.stats())
         return 0
-    if args.prompt is None and args.prompt_token_ids is None:
-        print("jaxcpp client: give a prompt (or --prompt-token-ids, --health, --model-info, --stats)",
-              file=sys.stderr)
+    if prompt is None:
+        print("jaxcpp client: give a prompt (or --prompt-file, --prompt-token-ids, --health, --model-info, "
+              "--stats)", file=sys.stderr)
         return 2
-    prompt = args.prompt_token_ids if args.prompt_token_ids is not None else args.prompt
     if args.stream:
         last = None
         for delta in client.stream(prompt, **_sampling_kwargs(args)):
@@ -138,21 +176,45 @@ def _client_call(client: Any, args: argparse.Namespace) -> int:
 
 # -- generate (offline) --------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
+    configure_cli_logging(args.log_level)
+    config = engine_config_from_args(args)  # validates; errors name the flag
+    prompt = _read_prompt(args)
+    if prompt is None:
+        raise InvalidRequestError("--prompt", "give a prompt: --prompt TEXT, --prompt-file PATH (or -), "
+                                  "or --prompt-token-ids 1,2,3")
+    if isinstance(prompt, str):
+        _require_tokenizer(config.model.model)  # before loading and compiling, not after
     from jaxcpp import LLM, SamplingParams
 
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("jaxcpp.runtime").setLevel(logging.INFO)  # the per-bucket compile progress
-    config = engine_config_from_args(args)  # validates; errors name the flag
     params = SamplingParams(**_sampling_kwargs(args))
-    out = LLM.from_config(config).generate(args.prompt, params)[0]
+    llm = LLM.from_config(config)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0] if isinstance(prompt, list) \
+        else llm.generate(prompt, params)[0]
     m = out.metrics
-    print(out.text)
+    print(out.text if llm.engine.tokenizer is not None else ",".join(map(str, out.token_ids)))
     print(_metrics_line(len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, m.ttft or 0.0,
                         m.e2e or 0.0), file=sys.stderr)
     return 0
 
 
+def _require_tokenizer(model: str) -> None:
+    """A text prompt needs the model folder's tokenizer; say so before minutes of loading and compiling."""
+    from jaxcpp.models.checkpoint import BUNDLED_MODELS
+    from jaxcpp.tokenizer import has_tokenizer
+
+    folder = BUNDLED_MODELS.get(model, Path(model))
+    if folder.is_dir() and not has_tokenizer(folder):
+        raise InvalidRequestError("--prompt", f"{model} has no tokenizer (tokenizer.json or byte_tokenizer.json):"
+                                  " give --prompt-token-ids instead")
+
+
 # -- parser --------------------------------------------------------------------------------------
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="the project's log level; JAX, absl and orbax log below WARNING only at debug "
+                             "(default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxcpp",
                                      description="JAX/XLA LLM inference engine and gRPC server")
@@ -161,21 +223,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the gRPC server", description="Run the gRPC server.")
     add_engine_args(serve)
     add_config_args(serve, ServerConfig)
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    _add_log_level(serve)
     serve.set_defaults(func=_serve)
 
     client = sub.add_parser("client", help="send a request to a server", description="Call a jaxcpp server.")
     client.add_argument("prompt", nargs="?", help="prompt text")
-    client.add_argument("--prompt-token-ids", type=_int_list, default=None,
-                        help="prompt as comma-separated token ids")
-    client.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
-    client.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    _add_prompt_args(client, text_flag=False)
+    client.add_argument("--target", default="127.0.0.1:50051",
+                        help="server address host:port (default: %(default)s)")
+    client.add_argument("--stream", action="store_true", help="print tokens as they arrive (default: off)")
     client.add_argument("--api-key", default=os.environ.get("JAXCPP_API_KEY"),
                         help="sent as 'authorization: Bearer <key>' (default: env JAXCPP_API_KEY)")
-    client.add_argument("--tls", action="store_true", help="use TLS with the system's root certificates")
-    client.add_argument("--tls-ca", default=None, help="PEM root certificate(s) to trust (implies --tls)")
-    client.add_argument("--server-name", default=None, help="TLS name to verify instead of the target's host")
-    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    client.add_argument("--tls", action="store_true",
+                        help="use TLS with the system's root certificates (default: off)")
+    client.add_argument("--tls-ca", default=None,
+                        help="PEM root certificate(s) to trust (implies --tls; default: none)")
+    client.add_argument("--server-name", default=None,
+                        help="TLS name to verify instead of the target's host (default: none)")
+    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
     what = client.add_mutually_exclusive_group()
     what.add_argument("--health", action="store_true", help="print the health status")
     what.add_argument("--model-info", action="store_true", help="print the model info")
@@ -186,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     # `--seed` here is the sampler's; the engine's --seed (random-model init) is replaced (resolve).
     generate = sub.add_parser("generate", help="generate offline (no server)", conflict_handler="resolve",
                               description="Generate offline with jaxcpp.LLM.")
-    generate.add_argument("--prompt", required=True, help="prompt text")
+    _add_prompt_args(generate, text_flag=True)
     add_engine_args(generate)
     _add_sampling_args(generate)
+    _add_log_level(generate)
     generate.set_defaults(func=_generate)
 
     add_chunk_plan_parser(sub)

@@ -6,17 +6,20 @@
             print(delta.text, end="")
 
 A prompt is text or a list of token ids. Sampling keywords left as None take the server's defaults
-(those of `jaxcpp.SamplingParams`). Errors surface as `grpc.RpcError` with the server's status code
-and a message that names the bad field. Leaving a `stream()` loop early cancels the call, and the
-server aborts the request and frees its pages.
+(those of `jaxcpp.SamplingParams`). Every call raises `ClientError` (exported as
+`jaxcpp.serving.ClientError`) when it fails: `.status` is the gRPC status code, `.field` the request
+field the server's message names (or None), `.message` the server's words. It subclasses
+`grpc.RpcError` and keeps its `code()`/`details()`, so older `except grpc.RpcError` code still works.
+Leaving a `stream()` loop early cancels the call, and the server aborts the request and frees its pages.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,8 +29,62 @@ from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# The server's refusals read "field: what is wrong" (jaxcpp.errors.InvalidRequestError).
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
+_T = TypeVar("_T")
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}
+
+
+class ClientError(grpc.RpcError):
+    """A failed call: the gRPC status, the request field the server's message names (if any), its message.
+
+        try:
+            client.generate(prompt, top_p=2)
+        except ClientError as err:
+            err.status   # grpc.StatusCode.INVALID_ARGUMENT
+            err.field    # "top_p"
+            err.message  # "top_p: must be in (0, 1], got 2.0"
+    """
+
+    def __init__(self, status: grpc.StatusCode, message: str, target: str = "") -> None:
+        super().__init__(f"{status.name}: {message}" + (f" (server {target})" if target else ""))
+        self.status = status
+        self.message = message
+        self.target = target
+        match = _FIELD_PREFIX.match(message)
+        self.field: str | None = match.group(1) if match else None
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError, target: str = "") -> ClientError:
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        details = err.details() if callable(getattr(err, "details", None)) else None
+        return cls(code or grpc.StatusCode.UNKNOWN, details or str(err), target)
+
+    # grpc.RpcError's call interface, for callers written against it.
+    def code(self) -> grpc.StatusCode:
+        return self.status
+
+    def details(self) -> str:
+        return self.message
+
+
+def _call(target: str, fn: Callable[[], _T]) -> _T:
+    try:
+        return fn()
+    except ClientError:
+        raise
+    except grpc.RpcError as err:
+        raise ClientError.from_rpc(err, target) from err
+
+
+async def _acall(target: str, awaitable: Awaitable[_T]) -> _T:
+    try:
+        return await awaitable
+    except ClientError:
+        raise
+    except grpc.RpcError as err:
+        raise ClientError.from_rpc(err, target) from err
 
 
 @dataclass(frozen=True)
@@ -129,6 +186,7 @@ class _ClientBase:
                  max_message_bytes: int = 4 * 1024 * 1024, timeout: float | None = None) -> None:
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._timeout = timeout
+        self.target = target
         options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", max_message_bytes),
                                           ("grpc.max_send_message_length", max_message_bytes)]
         if server_name:
@@ -150,8 +208,12 @@ class Client(_ClientBase):
     _grpc = grpc
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        """Block until the channel is connected (raises grpc.FutureTimeoutError)."""
-        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        """Block until the channel is connected; ClientError (UNAVAILABLE, naming the target) if not in time."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no jaxcpp server reachable at {self.target} "
+                              f"within {timeout:g}s") from None
 
     def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                **sampling: Any) -> Iterator[Delta]:
@@ -159,7 +221,7 @@ class Client(_ClientBase):
         call = self._stub.Generate(build_request(prompt, **sampling), timeout=timeout or self._timeout,
                                    metadata=self._metadata)
         try:
-            for msg in call:
+            while (msg := _call(self.target, lambda: next(call, None))) is not None:
                 yield delta_from_proto(msg)
         finally:
             call.cancel()  # no-op once finished; aborts the request if the caller stopped early
@@ -170,18 +232,17 @@ class Client(_ClientBase):
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The standard health check: "SERVING", "NOT_SERVING", ..."""
-        response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
-                                      timeout=timeout or self._timeout)
+        response = _call(self.target, lambda: self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                                                 timeout=timeout or self._timeout))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return _model_info(self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout or self._timeout,
-                                                   metadata=self._metadata))
+        return _model_info(_call(self.target, lambda: self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout or self._timeout, metadata=self._metadata)))
 
     def stats(self, timeout: float | None = None) -> ServerStats:
-        return _server_stats(self._stub.GetServerStats(pb.GetServerStatsRequest(),
-                                                       timeout=timeout or self._timeout,
-                                                       metadata=self._metadata))
+        return _server_stats(_call(self.target, lambda: self._stub.GetServerStats(
+            pb.GetServerStatsRequest(), timeout=timeout or self._timeout, metadata=self._metadata)))
 
     def close(self) -> None:
         self.channel.close()
@@ -199,16 +260,26 @@ class AsyncClient(_ClientBase):
     _grpc = grpc.aio
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until the channel is connected; ClientError (UNAVAILABLE, naming the target) if not in time."""
         import asyncio
 
-        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no jaxcpp server reachable at {self.target} "
+                              f"within {timeout:g}s") from None
 
     async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                      **sampling: Any) -> AsyncIterator[Delta]:
         call = self._stub.Generate(build_request(prompt, **sampling), timeout=timeout or self._timeout,
                                    metadata=self._metadata)
         try:
-            async for msg in call:
+            messages = call.__aiter__()
+            while True:
+                try:
+                    msg = await _acall(self.target, messages.__anext__())
+                except StopAsyncIteration:
+                    return
                 yield delta_from_proto(msg)
         finally:
             call.cancel()
@@ -218,19 +289,17 @@ class AsyncClient(_ClientBase):
         return _join([d async for d in self.stream(prompt, timeout=timeout, **sampling)])
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
-        response = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
-                                            timeout=timeout or self._timeout)
+        response = await _acall(self.target, self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                                                timeout=timeout or self._timeout))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return _model_info(await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                                          timeout=timeout or self._timeout,
-                                                          metadata=self._metadata))
+        return _model_info(await _acall(self.target, self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout or self._timeout, metadata=self._metadata)))
 
     async def stats(self, timeout: float | None = None) -> ServerStats:
-        return _server_stats(await self._stub.GetServerStats(pb.GetServerStatsRequest(),
-                                                             timeout=timeout or self._timeout,
-                                                             metadata=self._metadata))
+        return _server_stats(await _acall(self.target, self._stub.GetServerStats(
+            pb.GetServerStatsRequest(), timeout=timeout or self._timeout, metadata=self._metadata)))
 
     async def close(self) -> None:
         await self.channel.close()

@@ -46,8 +46,8 @@ from jaxcpp.chunking.planner import (
     ChunkSettings,
     equal_latency_chunk,
     fit_budget,
+    settings_from_config,
     snap_down,
-    stage_weights_from_layers,
 )
 from jaxcpp.chunking.policy import check_policy
 
@@ -106,17 +106,8 @@ class DynamicChunkController:
         With an uneven --pp-partition the stages weigh layers / the largest stage's layers: the model
         describes the slowest stage, so the engine should time that one.
         """
-        parallel, chunking = config.parallel, config.chunking
-        weights = None
-        if parallel.pp_partition is not None:
-            weights = stage_weights_from_layers(parallel.partition_list())
-        settings = ChunkSettings(
-            budget=config.scheduler.max_num_batched_tokens,
-            smooth_factor=chunking.dynamic_chunking_smooth_factor,
-            min_chunk_size=chunking.dynamic_chunking_min_chunk_size,
-            page_size=config.cache.page_size,
-            pipeline_parallel_size=parallel.pipeline_parallel_size,
-            allowed_sizes=allowed_sizes, stage_weights=weights)
+        chunking = config.chunking
+        settings = settings_from_config(config, allowed_sizes)
         return cls(settings, policy=chunking.dynamic_chunking_policy,
                    enabled=chunking.enable_dynamic_chunking, max_model_len=max_model_len or config.model.max_model_len,
                    runs_prefills=runs_prefills)

@@ -22,7 +22,7 @@ import numpy as np
 from jaxcpp.chunking.latency_model import LatencyModel, attention_area
 from jaxcpp.chunking.planner import raw_equal_latency_chunk
 
-# Acceptance thresholds (DYNAMIC_CHUNKING.md).
+# Acceptance thresholds (docs/dynamic_chunking.md, "Calibration").
 MAX_RMS_RESIDUAL = 0.25          # of the mean latency
 MAX_CONDITION_NUMBER = 100.0     # of the column-scaled design
 MAX_PREDICTION_SE = 0.05         # largest standard error of a fitted shape, of the mean latency

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from jaxcpp.buckets import token_alignment
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.config import DEFAULT_SMOOTH_FACTOR, EngineConfig
 
 POLICIES = ("fixed", "equal-latency", "optimal")
 # A chunk whose γ·L prefix rebuild would exceed this share of its own latency is too small to pay off.
@@ -30,7 +31,7 @@ class ChunkSettings:
     """What the solver needs besides the model; one per engine, built from the config."""
 
     budget: int                            # --max-num-batched-tokens: first, reference and largest chunk
-    smooth_factor: float = 0.75            # 0 = fixed chunks, 1 = the solved equal-latency chunk
+    smooth_factor: float = DEFAULT_SMOOTH_FACTOR  # 0 = fixed chunks, 1 = the solved equal-latency chunk
     min_chunk_size: int = 4096
     page_size: int = 16
     pipeline_parallel_size: int = 1
@@ -60,6 +61,21 @@ def stage_weights_from_layers(layers: list[int]) -> tuple[float, ...]:
     The latency model describes the slowest stage, so that stage weighs 1.
     """
     return tuple(n / max(layers) for n in layers)
+
+
+def settings_from_config(config: EngineConfig, allowed_sizes: tuple[int, ...] | None = None) -> ChunkSettings:
+    """The settings the engine's flags imply; `allowed_sizes` are the compiled token buckets, if known.
+
+    With an uneven --pp-partition the stages weigh layers / the largest stage's layers.
+    """
+    parallel, chunking = config.parallel, config.chunking
+    weights = stage_weights_from_layers(parallel.partition_list()) if parallel.pp_partition is not None else None
+    return ChunkSettings(budget=config.scheduler.max_num_batched_tokens,
+                         smooth_factor=chunking.dynamic_chunking_smooth_factor,
+                         min_chunk_size=chunking.dynamic_chunking_min_chunk_size,
+                         page_size=config.cache.page_size,
+                         pipeline_parallel_size=parallel.pipeline_parallel_size,
+                         allowed_sizes=allowed_sizes, stage_weights=weights)
 
 
 def snap_down(value: float, settings: ChunkSettings) -> int:

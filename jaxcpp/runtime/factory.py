@@ -1,13 +1,15 @@
 """Build the executor for a planned engine: check devices, load each stage's own layers, place them.
 
 The head has already sized everything (`jaxcpp.sizing.EngineSizing`); this is the device side's half,
-the only module the engine imports lazily to get a real executor.
+the only module the engine imports (lazily) to get a real executor. It also says which dtype `auto`
+means on this backend, since only the device side knows the backend.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import jax
 
@@ -31,6 +33,17 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def resolve_dtype(requested: str, backend: str | None = None) -> str:
+    """`--dtype auto` means the checkpoint's, except on CPU: float32 there, since bfloat16 matmuls on
+    the CPU backend are emulated and run several times slower. An explicit dtype is always honoured."""
+    backend = backend or jax.default_backend()
+    if requested == "auto" and backend == "cpu":
+        log.info("--dtype auto on the CPU backend: float32 (bfloat16 is emulated there; "
+                 "give --dtype bfloat16 to keep the checkpoint's)")
+        return "float32"
+    return requested
+
+
 def build_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:
     """P stages (P = 1 is the single-device case), each loading only its layers from the checkpoint."""
     enable_compilation_cache()
@@ -38,11 +51,14 @@ def build_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecut
     p = config.parallel
     num_stages = p.pipeline_parallel_size
     mesh = make_mesh(num_stages, p.tensor_parallel_size)
-    stages = []
+    model = sizing.spec.config
+    start, stages = time.perf_counter(), []
     for s, layers in enumerate(sizing.layers):
         is_first, is_last = s == 0, s == num_stages - 1
         params = load_stage_params(sizing.spec, layers, is_first, is_last)  # host memory: this stage only
-        stages.append(Stage(s, num_stages, stage_mesh(mesh, s), sizing.spec.config, params, layers,
+        stages.append(Stage(s, num_stages, stage_mesh(mesh, s), model, params, layers,
                             sizing.num_pages, sizing.page_size, attention_fn))
-        log.info("stage %d/%d loaded: layers %d-%d", s + 1, num_stages, layers[0], layers[1] - 1)
+    log.info("weights loaded: %s (%s, %d layers, %s) on %d stage(s), layers per stage %s, in %.1fs",
+             sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype, num_stages,
+             [end - begin for begin, end in sizing.layers], time.perf_counter() - start)
     return PipelineExecutor(stages, p.trace_file)

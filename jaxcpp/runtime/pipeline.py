@@ -66,6 +66,9 @@ class PipelineExecutor:
     def warmup(self, shape: StepShape) -> float:
         """Compile every stage's program for every bucket (and the transfers between stages) now."""
         self._shape = shape
+        buckets = shape.token_buckets
+        log.info("compiling %d programs on %d stage(s), one per token bucket %s ...", len(buckets),
+                 len(self.stages), buckets)
         start = time.perf_counter()
         for i, num_tokens in enumerate(shape.token_buckets, 1):
             t0 = time.perf_counter()

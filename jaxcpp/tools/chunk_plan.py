@@ -4,53 +4,55 @@ How it moves: the main `jaxcpp` CLI calls `add_parser(subparsers)`, argparse cal
 `main(argv)` builds a parser with only this subcommand, for tests and `python -m`. The chosen policy's
 plan is printed beside fixed chunks of B, B/2 and B/4; `--json` prints the same for machines; `--plot`
 simulates fixed-B and the chosen policy and draws both pipeline timelines.
+
+The engine-side flags are the engine's own (`jaxcpp.config` through `jaxcpp.cli_args`, named as for
+`jaxcpp serve`), and the settings are built from them as the engine builds its controller's, so a plan
+here is the plan the engine would follow with the same flags and coefficients.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import chunk_times, predicted_ttft
-from jaxcpp.chunking.planner import ChunkSettings, plan_fixed, stage_weights_from_layers
+from jaxcpp.chunking.planner import ChunkSettings, plan_fixed, settings_from_config
 from jaxcpp.chunking.policy import plan_chunks
+from jaxcpp.cli_args import add_config_args, engine_config_from_args
+from jaxcpp.config import CacheConfig, ChunkingConfig, ParallelConfig, SchedulerConfig
+
+# The engine flags a plan depends on, by config field: the same flags `jaxcpp serve` takes.
+_ENGINE_FLAGS = (
+    (SchedulerConfig, ("max_num_batched_tokens",)),
+    (ParallelConfig, ("pipeline_parallel_size", "pp_partition")),
+    (CacheConfig, ("page_size",)),
+    (ChunkingConfig, ("dynamic_chunking_policy", "dynamic_chunking_smooth_factor",
+                      "dynamic_chunking_min_chunk_size")),
+)
+_REQUIRED = ("max_num_batched_tokens", "pipeline_parallel_size")
 
 
 def add_parser(subparsers: Any) -> None:
     """Register `chunk-plan` on an argparse subparsers object (sets `func=run`)."""
     p = subparsers.add_parser("chunk-plan", description=__doc__.splitlines()[0],
                               help="plan the prefill chunks of one prompt under a latency model")
-    p.add_argument("--prompt-len", type=int, required=True, help="prompt length in tokens")
-    p.add_argument("--max-num-batched-tokens", type=int, required=True,
-                   help="token budget B: the first, reference and largest chunk")
-    p.add_argument("--pipeline-parallel-size", type=int, required=True, help="pipeline stages P")
+    p.add_argument("--prompt-len", type=int, required=True, help="prompt length in tokens (required)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--coeffs", help="latency model a,b,c,gamma (seconds)")
-    source.add_argument("--model-file", help="latency model JSON (LatencyModel.save)")
-    p.add_argument("--policy", default="equal-latency", choices=("equal-latency", "optimal", "fixed"))
-    p.add_argument("--smooth-factor", type=float,
-                   default=float(os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "0.75")),
-                   help="0 = fixed chunks, 1 = the solved equal-latency chunk (default: env "
-                        "JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR, else 0.75)")
-    p.add_argument("--min-chunk-size", type=int, default=4096, help="smallest chunk the solver may choose")
-    p.add_argument("--block-size", type=int, default=16, help="KV page size; chunks align to max(it, 64)")
-    p.add_argument("--pp-partition", help="layers per stage, e.g. 15,15,15,16 (uneven stages)")
+    source.add_argument("--coeffs", help="latency model a,b,c,gamma of one pipeline stage, in seconds, e.g. "
+                        "2.9e-10,5.365e-6,0.02,4.727e-7 (ratios such as 1,18500,0,1630 plan the same chunks, "
+                        "but the times printed are then in those units, not seconds; this or --model-file "
+                        "is required)")
+    source.add_argument("--model-file", help="latency model JSON (LatencyModel.save; calibration writes "
+                        "seconds; this or --coeffs is required)")
+    for config_cls, names in _ENGINE_FLAGS:
+        add_config_args(p, config_cls, only=names, required=_REQUIRED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--plot", metavar="PNG", help="draw fixed-B and the policy's pipeline timelines")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="draw fixed-B and the policy's pipeline timelines into this PNG (default: no plot)")
     p.set_defaults(func=run)
-
-
-def _settings(args: argparse.Namespace) -> ChunkSettings:
-    weights = None
-    if args.pp_partition:
-        weights = stage_weights_from_layers([int(v) for v in args.pp_partition.split(",")])
-    return ChunkSettings(budget=args.max_num_batched_tokens, smooth_factor=args.smooth_factor,
-                         min_chunk_size=args.min_chunk_size, page_size=args.block_size,
-                         pipeline_parallel_size=args.pipeline_parallel_size, stage_weights=weights)
 
 
 def _entry(name: str, chunks: list[int], model: LatencyModel, settings: ChunkSettings) -> dict[str, Any]:
@@ -59,13 +61,13 @@ def _entry(name: str, chunks: list[int], model: LatencyModel, settings: ChunkSet
             "ttft": predicted_ttft(model, chunks, settings.pipeline_parallel_size, settings.stage_weights)}
 
 
-def build_report(args: argparse.Namespace, model: LatencyModel, settings: ChunkSettings) -> dict[str, Any]:
+def build_report(prompt_len: int, policy: str, model: LatencyModel, settings: ChunkSettings) -> dict[str, Any]:
     budget = settings.budget
-    plans = [_entry(args.policy, plan_chunks(args.policy, args.prompt_len, settings, model), model, settings)]
+    plans = [_entry(policy, plan_chunks(policy, prompt_len, settings, model), model, settings)]
     for size in dict.fromkeys(max(budget // d, 1) for d in (1, 2, 4)):
-        plans.append(_entry(f"fixed {size}", plan_fixed(args.prompt_len, size), model, settings))
-    return {"prompt_len": args.prompt_len, "budget": budget,
-            "pipeline_parallel_size": settings.pipeline_parallel_size, "policy": args.policy,
+        plans.append(_entry(f"fixed {size}", plan_fixed(prompt_len, size), model, settings))
+    return {"prompt_len": prompt_len, "budget": budget,
+            "pipeline_parallel_size": settings.pipeline_parallel_size, "policy": policy,
             "smooth_factor": settings.smooth_factor, "min_chunk_size": settings.min_chunk_size,
             "alignment": settings.alignment, "model": json.loads(model.to_json()), "plans": plans}
 
@@ -76,7 +78,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"PP {report['pipeline_parallel_size']}, policy {report['policy']} (smoothing "
              f"{report['smooth_factor']}, min chunk {report['min_chunk_size']}, "
              f"alignment {report['alignment']})",
-             "model: " + " ".join(f"{k}={report['model'][k]:.6g}" for k in ("a", "b", "c", "gamma")),
+             "model: " + " ".join(f"{k}={report['model'][k]:.6g}" for k in ("a", "b", "c", "gamma"))
+             + " (times below are in the coefficients' units: seconds for a calibrated model)",
              "", f"{report['policy']} chunks (tokens, predicted time):"]
     lines += [f"  {i:3d}  {x:7d}  {t:.6g}" for i, (x, t) in
               enumerate(zip(chosen["chunks"], chosen["chunk_times"], strict=True))]
@@ -91,9 +94,10 @@ def format_report(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         model = LatencyModel.load(args.model_file) if args.model_file else LatencyModel.parse_coeffs(args.coeffs)
-        settings = _settings(args)
-        report = build_report(args, model, settings)
-    except (OSError, ValueError) as err:
+        config = engine_config_from_args(args)  # validates like the engine; errors name the flag
+        settings = settings_from_config(config)
+        report = build_report(args.prompt_len, config.chunking.dynamic_chunking_policy, model, settings)
+    except (OSError, ValueError) as err:  # ConfigError is a ValueError; it names the flag
         print(f"chunk-plan: {err}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))

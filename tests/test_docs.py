@@ -1,0 +1,59 @@
+"""The docs a new user reads point only at things that exist, and explain the names they use."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TOP_LEVEL = {p.name for p in REPO.iterdir()}
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+CODE = re.compile(r"`([^`\s]+)`")
+FILE_LIKE = re.compile(r"^[\w.-]+(/[\w.-]+)+\.(py|md|proto|json|toml|png|txt)$")
+
+
+def relative_links(text: str) -> list[str]:
+    return [t.split("#")[0] for t in LINK.findall(text) if not re.match(r"^(https?:|mailto:|#)", t)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_and_paths_exist(doc: Path) -> None:
+    text = doc.read_text()
+    missing = [t for t in relative_links(text) if t and not (doc.parent / t).exists()]
+    # Backticked repository paths (`benchmarks/serving.py`, `serving/proto/...`) must be in the repo too.
+    paths = [t for t in CODE.findall(text) if FILE_LIKE.match(t) and t.split("/")[0] in TOP_LEVEL]
+    missing += [t for t in paths if not (REPO / t).exists()]
+    assert missing == [], f"{doc.name} points to files that are not in the repo: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_no_references_to_material_outside_the_repo(doc: Path) -> None:
+    text = doc.read_text()
+    found = re.findall(r"seed `?0\d\d|DYNAMIC_CHUNKING\.md|DESIGN\.md|\(issue \d+\)", text)
+    assert found == [], f"{doc.name} refers to material a reader cannot see: {found}"
+
+
+def test_readme_says_what_the_borrowed_names_are() -> None:
+    readme = REPO / "README.md"
+    references = readme.read_text().split("## References", 1)
+    assert len(references) == 2, "README.md has no References section"
+    for name, link in (("Sarathi-Serve", "arxiv.org/abs/2403.02310"), ("ATOM", "github.com/ROCm/ATOM"),
+                       ("latency model", "dynamic_chunking_guide")):
+        assert name in references[1] and link in references[1], name
+
+
+def test_readme_states_the_python_version_and_shows_a_hugging_face_model() -> None:
+    text = (REPO / "README.md").read_text()
+    assert "Python 3.11 or newer" in text
+    section = text.split("## Using a Hugging Face model", 1)
+    assert len(section) == 2 and "huggingface-cli download" in section[1] and "--model " in section[1]
+
+
+def test_serving_numbers_live_in_benchmarks_only() -> None:
+    serving = (REPO / "docs" / "serving.md").read_text()
+    assert not re.search(r"\d+(\.\d+)? ?ms/token", serving), "serving.md quotes a per-token time"
+    assert "benchmarks.md#serving-over-grpc" in serving
+    assert "## Serving over gRPC" in (REPO / "docs" / "benchmarks.md").read_text()

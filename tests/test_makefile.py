@@ -1,0 +1,66 @@
+"""The Makefile's setup: the Python version is checked before a venv exists, a failed setup leaves none.
+
+Every run uses a fake interpreter and a venv path under tmp_path, so the real .venv is never touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def fake_python(folder: Path, version: str, venv_body: str = "exit 1") -> Path:
+    """A `python` that reports `version` for `-c` and runs `venv_body` for `-m venv DIR`."""
+    path = folder / "fakepython"
+    path.write_text("#!/bin/sh\n"
+                    f'if [ "$1" = "-c" ]; then echo {version}; exit 0; fi\n'
+                    f'if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then {venv_body}; fi\n'
+                    "exit 1\n")
+    path.chmod(0o755)
+    return path
+
+
+def make_setup(python: Path, venv: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "-C", str(REPO), "setup", f"PY={python}", f"VENV={venv}"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_too_old_python_is_named_and_no_venv_is_made(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    python = fake_python(tmp_path, "3.10.12", venv_body=f"mkdir -p {venv}/bin; exit 0")
+    result = make_setup(python, venv)
+    assert result.returncode != 0
+    assert f"{python} is Python 3.10.12" in result.stderr and ">= 3.11" in result.stderr, result.stderr
+    assert not venv.exists()
+
+
+def test_an_interpreter_that_cannot_run_is_named(tmp_path: Path) -> None:
+    result = make_setup(tmp_path / "no-such-python", tmp_path / "venv")
+    assert result.returncode != 0
+    assert "cannot run" in result.stderr and "no-such-python" in result.stderr, result.stderr
+
+
+def test_failed_setup_removes_the_half_made_venv(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    # The version passes; `-m venv` leaves a partial folder behind and fails, as a broken install would.
+    python = fake_python(tmp_path, "3.12.1", venv_body=f"mkdir -p {venv}/lib; touch {venv}/pyvenv.cfg; exit 1")
+    result = make_setup(python, venv)
+    assert result.returncode != 0
+    assert "setup failed" in result.stderr, result.stderr
+    assert not venv.exists()
+
+
+def test_serve_installs_only_the_package_and_test_adds_the_extras() -> None:
+    dry = {target: subprocess.run(["make", "-C", str(REPO), "-n", "-B", target, "VENV=/nonexistent/venv"],
+                                  capture_output=True, text=True, timeout=60).stdout
+           for target in ("serve", "generate", "test")}
+    for target in ("serve", "generate"):
+        assert "pip install --quiet -e . " in dry[target] and "[test" not in dry[target], dry[target]
+    assert 'pip install --quiet -e ".[test,parity]"' in dry["test"]

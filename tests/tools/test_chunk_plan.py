@@ -1,0 +1,102 @@
+"""`jaxcpp chunk-plan`, run in-process: the engine's flags, the README's example in seconds, clear errors."""
+
+import argparse
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.planner import settings_from_config
+from jaxcpp.cli_args import engine_config_from_args
+from jaxcpp.config import DEFAULT_SMOOTH_FACTOR, EngineConfig
+from jaxcpp.tools import chunk_plan as cli
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+BASE = ["chunk-plan", "--prompt-len", "131072", "--max-num-batched-tokens", "32768",
+        "--pipeline-parallel-size", "4"]
+
+
+def test_prints_the_conformance_chunks_beside_fixed_plans(capsys):
+    assert cli.main(BASE + ["--coeffs", "1,18500,0,1630", "--dynamic-chunking-smooth-factor", "1.0"]) == 0
+    out = capsys.readouterr().out
+    for chunk in (32768, 16192, 12416, 5504, 3840):
+        assert f" {chunk} " in out
+    assert "fixed 32768" in out and "fixed 16384" in out and "fixed 8192" in out
+
+
+def test_json_for_machines_from_a_model_file(tmp_path, capsys):
+    path = tmp_path / "m.json"
+    LatencyModel(2.9e-10, 5.365e-6, 0.005, 4.727e-7).save(path)
+    assert cli.main(BASE + ["--model-file", str(path), "--dynamic-chunking-policy", "optimal", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plans = {p["name"]: p for p in report["plans"]}
+    assert sum(plans["optimal"]["chunks"]) == 131072
+    assert plans["optimal"]["ttft"] <= min(p["ttft"] for p in report["plans"])
+    assert len(plans["optimal"]["chunk_times"]) == len(plans["optimal"]["chunks"])
+
+
+@pytest.mark.slow  # matplotlib's import is most of it
+def test_plot_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "timeline.png"
+    assert cli.main(["chunk-plan", "--prompt-len", "20000", "--max-num-batched-tokens", "8192",
+                     "--pipeline-parallel-size", "2", "--coeffs", "1,2000,0,100",
+                     "--dynamic-chunking-min-chunk-size", "1024",
+                     "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_is_a_clear_error(capsys):
+    assert cli.main(BASE + ["--coeffs", "1,2,3"]) == 2
+    assert "four numbers" in capsys.readouterr().err
+
+
+def test_add_parser_registers_on_a_foreign_parser():
+    parser = argparse.ArgumentParser(prog="jaxcpp")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(BASE + ["--coeffs", "1,2,3,4"])
+    assert args.func is cli.run and args.dynamic_chunking_policy is None  # left to ChunkingConfig's default
+
+
+def test_engine_flags_build_the_settings_the_engine_would():
+    """Same flag names as `jaxcpp serve`, same validation, same settings as the engine's config gives."""
+    parser = argparse.ArgumentParser(prog="jaxcpp")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    argv = ["--max-num-batched-tokens", "8192", "--pipeline-parallel-size", "2", "--pp-partition", "3,5",
+            "--page-size", "128", "--dynamic-chunking-min-chunk-size", "1024"]
+    args = parser.parse_args(BASE[:3] + argv + ["--coeffs", "1,2,3,4"])
+    settings = settings_from_config(engine_config_from_args(args))
+    expected = settings_from_config(EngineConfig.from_kwargs(
+        max_num_batched_tokens=8192, pipeline_parallel_size=2, pp_partition="3,5", page_size=128,
+        dynamic_chunking_min_chunk_size=1024))
+    assert settings == expected
+    assert settings.stage_weights == (0.6, 1.0) and settings.alignment == 128
+    assert settings.smooth_factor == DEFAULT_SMOOTH_FACTOR
+
+
+def test_engine_flag_errors_name_the_flag(capsys):
+    assert cli.main(BASE + ["--coeffs", "1,2,3,4", "--pp-partition", "1,2"]) == 2
+    assert "--pp-partition" in capsys.readouterr().err
+    assert cli.main(BASE + ["--coeffs", "1,2,3,4", "--dynamic-chunking-smooth-factor", "2"]) == 2
+    assert "--dynamic-chunking-smooth-factor" in capsys.readouterr().err
+
+
+def readme_chunk_plan_argv() -> list[str]:
+    text = README.read_text()
+    match = re.search(r"jaxcpp (chunk-plan .*?)\n```", text, re.S)
+    assert match, "README.md shows no `jaxcpp chunk-plan` example"
+    return shlex.split(match.group(1).replace("\\\n", " "))
+
+
+def test_readme_example_uses_seconds_and_plots_outside_the_repo(capsys, monkeypatch):
+    argv = readme_chunk_plan_argv()
+    plot = Path(argv[argv.index("--plot") + 1])
+    assert plot.is_absolute() and README.parent not in plot.parents, plot
+    monkeypatch.setattr("jaxcpp.tools.plot.plot_timelines", lambda runs, path, title: None)
+    assert cli.main(argv + ["--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    # Real-scale per-stage coefficients: a 128K prefill on PP4 takes seconds, not 1e10 "seconds".
+    assert all(0.1 < plan["ttft"] < 100.0 for plan in plans), [plan["ttft"] for plan in plans]
