@@ -15,6 +15,7 @@ Not thread-safe: one thread drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -24,7 +25,7 @@ from typing import Any
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import Executor, ExecutorError
+from jaxcpp.executor import Executor, ExecutorError, StepResult
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.page_allocator import PageAllocator
@@ -149,10 +150,23 @@ class LLMEngine:
     def _collect_oldest(self) -> list[RequestOutput]:
         sched, ticket = self._in_flight[0]
         result = self.executor.collect(ticket)
+        self._check_tokens(sched, result)
         self._in_flight.popleft()
         sampled = self.scheduler.postprocess(sched, result, time.monotonic())
         self._stats.count_sampled(len(sampled))
         return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+
+    def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """Garbage from a device must not become a request's output: ids outside the vocabulary fail the
+        step (and only it: the executor may well run the next one)."""
+        if result.tokens is None:
+            return
+        rows = [i for i, chunk in enumerate(sched.chunks) if chunk.samples]
+        tokens = result.tokens[rows]
+        vocab = self.sizing.spec.config.vocab_size
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ExecutorError(f"sampled token ids outside the vocabulary [0, {vocab}): "
+                                f"{sorted(set(tokens.tolist()))[:4]}", fatal=False)
 
     def _fail_in_flight(self, error: ExecutorError) -> list[RequestOutput]:
         """Every request with a step in flight ends with reason "error"; a fatal error then propagates."""
@@ -163,7 +177,7 @@ class LLMEngine:
             for chunk in sched.chunks:
                 if not chunk.seq.is_finished:
                     self.scheduler.finish(chunk.seq, "error", now)
-                    outputs.append(self._output(chunk.seq, []))
+                    outputs.append(dataclasses.replace(self._output(chunk.seq, []), error=str(error)))
         if error.fatal:
             raise error
         return outputs

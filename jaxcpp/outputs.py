@@ -37,10 +37,11 @@ class RequestOutput:
     token_ids: list[int]                  # every token generated so far
     new_token_ids: list[int]              # the tokens this step added
     finished: bool
-    finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort"; None while running
+    finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort", "error"; None while running
     metrics: RequestMetrics
     text: str = ""                        # detokenized token_ids, once finished (stream with IncrementalDetokenizer)
     logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
+    error: str | None = None              # what failed, when finish_reason is "error"
 
 
 @dataclass(frozen=True)

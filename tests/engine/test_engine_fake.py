@@ -112,3 +112,22 @@ def test_a_fatal_executor_error_propagates_after_failing_its_requests():
     with pytest.raises(ExecutorError, match="stage 1: stage process exited"):
         e.step()
     assert e.stats().num_pages_used == 0 and not e.has_unfinished_requests()
+
+
+def test_garbage_tokens_fail_only_their_step():
+    class Garbage(FakeExecutor):
+        bad = 1
+
+        def collect(self, ticket: int) -> StepResult:
+            result = super().collect(ticket)
+            if self.bad and result.tokens is not None:
+                self.bad -= 1
+                result.tokens[:] = 10**6
+            return result
+
+    e = engine(Garbage())
+    e.add_request("a", [1, 2, 3], GREEDY)
+    outs = e.step()
+    assert [(o.finish_reason, "outside the vocabulary" in (o.error or "")) for o in outs] == [("error", True)]
+    assert e.stats().num_pages_used == 0
+    assert run(e, {"b": [4, 5]})["b"] == FakeExecutor.expected_tokens([4, 5], 6)
