@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import threading
 import time
@@ -355,6 +356,13 @@ def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
             responses = inner_stream(request, context)
+            if inspect.isawaitable(responses):  # a coroutine that writes with context.write (Health.Watch)
+                await responses
+                return
+            if not inspect.isasyncgen(responses):  # a plain generator: sync servicers are allowed
+                for response in responses:
+                    yield response
+                return
             try:
                 async for response in responses:
                     yield response
@@ -367,7 +375,8 @@ def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
-        return await inner_unary(request, context)
+        response = inner_unary(request, context)
+        return await response if inspect.isawaitable(response) else response
 
     return grpc.unary_unary_rpc_method_handler(unary, **serdes)
 
