@@ -279,14 +279,17 @@ class _Stream:
 
 
 async def _abort_call(stream: _Stream, message: str) -> None:
-    """End a call whose handler is blocked in a write: the status goes out behind what is buffered,
-    then the handler (still waiting on that write) is cancelled."""
+    """End a call whose handler is blocked in a write. The handler is cancelled first (were the status
+    sent first, its pending write would fail and gRPC would log that as an error), then the status goes
+    out behind what the transport still buffers."""
+    task = stream.handler_task
+    if task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=5.0)
     try:
         await stream.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
     except BaseException:  # noqa: B036 - abort always raises AbortError; the call is over either way
         pass
-    if stream.handler_task is not None:
-        stream.handler_task.cancel()
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
