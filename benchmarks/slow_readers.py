@@ -6,13 +6,14 @@ client's full window would look after ~30 messages; the server then queues its o
 `--max-stream-buffer`, aborts the request and frees its pages. Until then the stuck streams take
 engine steps like any other, so the figure depends on that limit: both are printed.
 
-    python benchmarks/slow_readers.py --max-stream-buffer 256 32
+    python benchmarks/slow_readers.py --max-stream-buffer 256 32 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
 import time
 
@@ -73,6 +74,7 @@ def main() -> None:
     p.add_argument("--max-stream-buffer", type=int, nargs="+", default=[256, 32])
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="alternate alone/with-stuck runs; medians reported")
     args = p.parse_args()
     from jaxcpp import LLM
 
@@ -83,17 +85,23 @@ def main() -> None:
         with ServerThread(llm.engine, ServerConfig(port=0, max_stream_buffer=limit)) as server:
             target = f"127.0.0.1:{server.port}"
             normal_throughput(target, 4, 16)  # warm the channel and the engine
-            alone, ok_alone = normal_throughput(target, args.streams, args.max_tokens)
-            stop = threading.Event()
-            stuck = start_stuck(target, 16, False, stop) + start_stuck(target, 16, True, stop)
-            beside, ok_beside = normal_throughput(target, args.streams, args.max_tokens)
-            stop.set()
-            for channel in stuck:
-                channel.close()
+            alone, beside, complete = [], [], True
+            for _ in range(args.repeats):  # alternated, so drifting machine load hits both alike
+                rate, ok = normal_throughput(target, args.streams, args.max_tokens)
+                alone.append(rate)
+                stop = threading.Event()
+                stuck = start_stuck(target, 16, False, stop) + start_stuck(target, 16, True, stop)
+                rate, ok_beside = normal_throughput(target, args.streams, args.max_tokens)
+                beside.append(rate)
+                complete = complete and ok and ok_beside
+                stop.set()
+                for channel in stuck:
+                    channel.close()
             backlog = server.server.servicer.max_stream_backlog
-        rows.append(dict(max_stream_buffer=limit, alone_tok_s=round(alone, 1), with_stuck_tok_s=round(beside, 1),
-                         ratio=round(beside / alone, 3), all_complete=ok_alone and ok_beside,
-                         max_backlog=backlog))
+        a, b = statistics.median(alone), statistics.median(beside)
+        rows.append(dict(max_stream_buffer=limit, alone_tok_s=[round(x, 1) for x in alone],
+                         with_stuck_tok_s=[round(x, 1) for x in beside], median_ratio=round(b / a, 3),
+                         all_complete=complete, max_backlog=backlog))
         print(json.dumps(rows[-1]), flush=True)
 
 

@@ -218,7 +218,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"soak: {result['minutes']:g} min at concurrency {result['concurrency']}, "
                  f"{result['requests']} requests, {result['unexpected']} unexpected, "
                  f"{result['pages_leaked']} pages leaked")
-    fig.legend(loc="lower right")
+    fig.legend(loc="upper right", bbox_to_anchor=(0.9, 0.88), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
