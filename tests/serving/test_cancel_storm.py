@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from jaxcpp.runtime import compile_guard
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving import AsyncClient
 from tests.serving.conftest import wait_until
@@ -63,7 +64,8 @@ def test_cancel_storm_leaks_nothing_and_leaves_other_streams_exact(real_server, 
             await asyncio.gather(*storm)
             return [out.token_ids for out in await asyncio.gather(*survivors)]
 
-    outputs = asyncio.run(main())
+    with compile_guard.forbid_compile():  # cancelling at any point never needs a new program
+        outputs = asyncio.run(main())
     print("cancel storm:", dict(counts))
     assert sum(counts.values()) == STORM
     assert outputs == [e.token_ids for e in expected]
@@ -73,4 +75,3 @@ def test_cancel_storm_leaks_nothing_and_leaves_other_streams_exact(real_server, 
     assert (after.engine.num_running, after.engine.num_waiting) == (0, 0)
     assert after.engine.num_pages_free == before.num_pages_free == after.engine.num_pages_total
     assert engine_loop.submit(engine_loop.engine.has_unfinished_requests).result(timeout=10) is False
-    assert after.engine.num_compilations_since_warmup == 0
