@@ -4,19 +4,19 @@
 
 Writes a random Llama (float32) to a temp folder, then for P in 1, 2, 4 measures the peak resident set
 growth of `load_stage_params` for each stage, each in a fresh interpreter (Linux: the peak RSS is reset
-through /proc/self/clear_refs before the load and read from VmHWM after it), and reports the largest. tensorstore's (orbax)
-buffers are C++ allocations, so RSS, not tracemalloc, is what counts them. Prints a markdown table for
-docs/benchmarks.md.
+through /proc/self/clear_refs before the load and read from VmHWM after it), and reports the largest.
+tensorstore's (orbax) buffers are C++ allocations, so RSS, not tracemalloc, is what counts them. Prints
+a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
 import tempfile
-import gc
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -129,6 +129,9 @@ class ChunkingConfig:
         _require(self.dynamic_chunking_min_chunk_size >= 1, "dynamic_chunking_min_chunk_size", "must be >= 1")
 
 
+API_KEY_ENV = "JAXCPP_API_KEY"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = opt("127.0.0.1", "address to bind; the default is loopback only")
@@ -136,16 +139,48 @@ class ServerConfig:
     metrics_port: int | None = opt(None, "serve Prometheus metrics on this port")
     max_queue_size: int = opt(256, "requests waiting or running before RESOURCE_EXHAUSTED")
     max_message_bytes: int = opt(4 * 1024 * 1024, "largest gRPC message accepted or sent")
+    max_prompt_bytes: int = opt(1024 * 1024, "largest text prompt, in UTF-8 bytes, checked before "
+                                "tokenizing (INVALID_ARGUMENT beyond)")
+    max_stream_buffer: int = opt(256, "responses a stream may hold for a client that is not reading; "
+                                 "past it the request is aborted with RESOURCE_EXHAUSTED")
     tls_cert: str | None = opt(None, "PEM certificate chain for TLS")
     tls_key: str | None = opt(None, "PEM private key for TLS")
-    api_key: str | None = opt(None, "require this key in the 'authorization: Bearer <key>' metadata")
+    tls_client_ca: str | None = opt(None, "PEM CA certificate(s): require a client certificate signed "
+                                    "by one of them (mutual TLS; needs --tls-cert)")
+    api_key: str | None = opt(None, "require this key in the 'authorization: Bearer <key>' metadata "
+                              f"(visible in `ps`: prefer --api-key-file or env {API_KEY_ENV})")
+    api_key_file: str | None = opt(None, "read the API key from this file (its first line)")
+    enable_reflection: bool = opt(True, "offer gRPC server reflection (grpcurl list/describe)")
     shutdown_grace_s: float = opt(30.0, "seconds in-flight requests may finish after SIGTERM")
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         _require(self.max_queue_size >= 1, "max_queue_size", "must be >= 1")
+        _require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
+        _require(self.max_prompt_bytes >= 1, "max_prompt_bytes", "must be >= 1")
+        _require(self.max_stream_buffer >= 1, "max_stream_buffer", "must be >= 1")
+        _require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
         _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert",
                  "--tls-cert and --tls-key must be given together")
+        _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca",
+                 "mutual TLS needs the server's own --tls-cert and --tls-key")
+        _require(self.api_key is None or self.api_key_file is None, "api_key_file",
+                 "give --api-key or --api-key-file, not both")
+        _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "api_key_file"):
+            path = getattr(self, name)
+            _require(path is None or os.path.isfile(path), name, f"no such file: {path!r}")
+
+    def resolve_api_key(self) -> str | None:
+        """The key to require: --api-key, else the first line of --api-key-file, else env JAXCPP_API_KEY."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_file is not None:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+            _require(bool(key), "api_key_file", f"{self.api_key_file} is empty")
+            return key
+        return os.environ.get(API_KEY_ENV) or None
 
 
 @dataclass(frozen=True)

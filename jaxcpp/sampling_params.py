@@ -23,8 +23,8 @@ class SamplingParams:
                                       f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from jaxcpp.models.config import LlamaConfig
 
 HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"  # marks a folder whose model reads raw UTF-8 bytes
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -174,4 +175,8 @@ def load_tokenizer(folder: str | Path, config: LlamaConfig) -> Tokenizer | None:
             raise ModelLoadError(f"{folder / BYTE_TOKENIZER_FILE}: needs {tok.vocab_size} ids but "
                                  f"config.json has vocab_size={config.vocab_size}")
         return tok
+    if (folder / TOKENIZER_CONFIG_FILE).is_file():  # it says it has a tokenizer: the file is missing
+        raise ModelLoadError(f"{folder / HF_TOKENIZER_FILE}: not found, but {TOKENIZER_CONFIG_FILE} says this "
+                             "model has a tokenizer (jaxcpp reads tokenizer.json; a folder with neither "
+                             "file serves token ids only)")
     return None

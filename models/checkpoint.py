@@ -86,13 +86,35 @@ class _SafetensorsFile:
             self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
         except (OSError, ValueError, struct.error) as e:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"{path}: not a safetensors file (its header is not a JSON object)")
         header.pop("__metadata__", None)
+        for name, info in header.items():
+            self._check_entry(name, info)
         self.header: dict[str, Any] = header
 
+    def _check_entry(self, name: str, info: Any) -> None:
+        """Each tensor's entry is well formed and its bytes lie inside the file (a truncated file
+        fails here, naming the tensor, not as a reshape error deep in numpy)."""
+        try:
+            dtype, shape, (start, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
+            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, start, end)) and start <= end
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has a malformed header entry {info!r}")
+        if dtype not in _ST_DTYPES:
+            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
+        if end > self._data.size:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} ends at byte {end} of the data but the file "
+                                 f"holds {self._data.size}: the file is truncated")
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
+        if end - start != expected:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has {end - start} bytes, its shape {shape} "
+                                 f"and dtype {dtype} need {expected}")
+
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        if info["dtype"] not in _ST_DTYPES:
-            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        info = self.header[name]  # checked by _check_entry
         start, end = info["data_offsets"]
         return self._data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 

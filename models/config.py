@@ -54,7 +54,7 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, name, f"must be a positive integer, got {value!r}")
+            _check(_is_int(value) and value >= 1, name, f"must be a positive integer, got {value!r}")
         _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                f"({self.num_key_value_heads}) must divide num_attention_heads ({self.num_attention_heads})")
         _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
@@ -146,6 +146,23 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise ModelLoadError(f"{field}: {message}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a layer count
+
+
+def _typed(d: dict[str, Any], key: str, kind: str, default: Any = None) -> Any:
+    """d[key] (or `default` when absent or null), checked to be JSON `kind`: int, number, bool,
+    string or object; a wrong type is a ModelLoadError naming the field, not a TypeError later."""
+    value = d.get(key)
+    if value is None:
+        return default
+    ok = {"int": _is_int(value), "number": _is_int(value) or isinstance(value, float),
+          "bool": isinstance(value, bool), "string": isinstance(value, str),
+          "object": isinstance(value, dict)}[kind]
+    _check(ok, key, f"must be a JSON {kind}, got {value!r}")
+    return value
+
+
 def _validate_rope_scaling(rope: dict[str, Any] | None) -> None:
     if rope is None:
         return
@@ -184,14 +201,15 @@ def _required(d: dict[str, Any], key: str) -> Any:
 
 def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either spelling; 'default' scaling becomes None."""
-    params = d.get("rope_parameters")
-    if isinstance(params, dict) and params:
+    params = _typed(d, "rope_parameters", "object")
+    if params:
         _check("rope_theta" in params or "rope_theta" in d, "rope_parameters.rope_theta", "missing")
-        theta = float(params["rope_theta"] if "rope_theta" in params else d["rope_theta"])
+        theta = float(_typed(params, "rope_theta", "number", _typed(d, "rope_theta", "number", 10000.0)))
         scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta = float(d["rope_theta"]) if d.get("rope_theta") is not None else 10000.0
-        scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
+        theta = float(_typed(d, "rope_theta", "number", 10000.0))
+        rope_scaling = _typed(d, "rope_scaling", "object")
+        scaling = dict(rope_scaling) if rope_scaling else None
     if scaling is not None:
         kind = scaling.pop("type", None)  # the pre-4.45 spelling
         scaling.setdefault("rope_type", kind)
@@ -222,15 +240,18 @@ def _from_hf_dict(d: dict[str, Any]) -> LlamaConfig:
     pr = d.get("partial_rotary_factor", (d.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     _check(pr == 1.0, "partial_rotary_factor", f"only full rotary embeddings are supported, got {pr!r}")
 
-    hidden = _required(d, "hidden_size")
-    heads = _required(d, "num_attention_heads")
-    kv_heads = d.get("num_key_value_heads") or heads
-    head_dim = d.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else 0)
+    hidden = _typed(d, "hidden_size", "int", _required(d, "hidden_size"))
+    heads = _typed(d, "num_attention_heads", "int", _required(d, "num_attention_heads"))
+    kv_heads = _typed(d, "num_key_value_heads", "int") or heads
+    head_dim = _typed(d, "head_dim", "int") or (hidden // heads if heads else 0)
     theta, scaling = _rope(d)
     eos = d.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-    dtype = d.get("torch_dtype", d.get("dtype")) or "float32"
-    max_pos = _required(d, "max_position_embeddings")
+    eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    _check(all(_is_int(e) for e in eos_list), "eos_token_id", f"must be an integer or a list of them, got {eos!r}")
+    eos_ids = tuple(eos_list)
+    dtype_key = "torch_dtype" if d.get("torch_dtype") is not None else "dtype"
+    dtype = _typed(d, dtype_key, "string", "float32")
+    max_pos = _typed(d, "max_position_embeddings", "int", _required(d, "max_position_embeddings"))
     window = _sliding_window(d, model_type)
     if window is not None and window < max_pos:
         # Within the window, sliding-window attention equals full attention; beyond it we would be
@@ -239,22 +260,22 @@ def _from_hf_dict(d: dict[str, Any]) -> LlamaConfig:
                        window, max_pos, window)
         max_pos = window
     # HF's Mistral has no biases whatever the field says; Qwen2 always has q/k/v biases.
-    bias = {"llama": bool(d.get("attention_bias", False)), "mistral": False, "qwen2": True}[model_type]
+    bias = {"llama": _typed(d, "attention_bias", "bool", False), "mistral": False, "qwen2": True}[model_type]
     return LlamaConfig(
-        vocab_size=_required(d, "vocab_size"),
+        vocab_size=_typed(d, "vocab_size", "int", _required(d, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=_required(d, "intermediate_size"),
-        num_hidden_layers=_required(d, "num_hidden_layers"),
+        intermediate_size=_typed(d, "intermediate_size", "int", _required(d, "intermediate_size")),
+        num_hidden_layers=_typed(d, "num_hidden_layers", "int", _required(d, "num_hidden_layers")),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(_typed(d, "rms_norm_eps", "number", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_typed(d, "tie_word_embeddings", "bool", False),
         attention_bias=bias,
-        bos_token_id=d.get("bos_token_id"),
+        bos_token_id=_typed(d, "bos_token_id", "int"),
         eos_token_ids=eos_ids,
         architecture=arch,
         dtype=str(dtype),

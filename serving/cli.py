@@ -98,6 +98,13 @@ def _metrics_line(num_prompt: int, num_generated: int, finish: str | None, ttft_
 
 
 # -- serve ---------------------------------------------------------------------------------------
+def command_line_key_warning(args: argparse.Namespace) -> str | None:
+    if getattr(args, "api_key", None) is None:
+        return None
+    return ("jaxcpp serve: warning: --api-key on the command line is visible to every user in `ps`; "
+            "use --api-key-file or the JAXCPP_API_KEY environment variable")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -106,6 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
     configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
+    if (warning := command_line_key_warning(args)) is not None:
+        print(warning, file=sys.stderr, flush=True)
 
     def build_engine() -> Any:  # in a worker thread, while health answers NOT_SERVING
         from jaxcpp.engine import LLMEngine

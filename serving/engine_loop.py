@@ -121,6 +121,15 @@ class EngineLoop:
 
         self.submit(abort)
 
+    def abort_all_with_final_output(self) -> None:
+        """Abort every request but keep its sink: each stream gets the final "abort" output."""
+
+        def abort_all() -> None:
+            for request_id in list(self._sinks):
+                self.engine.abort_request(request_id)
+
+        self.submit(abort_all)
+
     # -- the loop (engine thread) ----------------------------------------------------------------
     def _run(self) -> None:
         while True:

@@ -14,15 +14,25 @@ model, compiling every bucket) in a worker thread while the loop keeps answering
 (`Server.build_engine`); once it is attached, health turns SERVING. An orchestrator's startup and
 readiness probes therefore see the pod alive but not ready during the compile.
 
+Backpressure: a client that stops reading fills gRPC's flow-control window, the handler's write
+blocks and the stream's outputs pile up in its queue. Past `--max-stream-buffer` queued outputs the
+request is aborted in the engine (its pages freed), its queue slot released, and the call ended with
+RESOURCE_EXHAUSTED from a separate task (the handler itself is stuck in the blocked write).
+
+Requests that are not a valid protobuf message get INVALID_ARGUMENT (not gRPC's UNKNOWN): every
+unary request deserializer is wrapped to hand the handler an `_Undecodable` marker instead of raising.
+
 Shutdown (`Server.stop`): health goes NOT_SERVING (and answers so for the first second), then new calls
-are refused, calls in flight get the rest of `--shutdown-grace-s` to finish, then are cancelled (and so
-aborted); then the engine thread stops.
+are refused (UNAVAILABLE), calls in flight get the rest of `--shutdown-grace-s` to finish; the requests
+still running then are aborted in the engine, so their streams end normally with finish reason ABORT;
+then the engine thread stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import threading
 import time
@@ -53,6 +63,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxcppService"].full_name
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
+MAX_REQUEST_ID_CHARS = 256  # echoed in every response message, so it is kept short
+_ABORT_FLUSH_S = 5.0        # after the grace period: time for the ABORT messages to reach clients
 
 
 def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
@@ -63,12 +75,37 @@ def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
     return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **kwargs)
 
 
-def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+def prompt_from_proto(request: pb.GenerateRequest, max_prompt_bytes: int) -> str | list[int]:
+    """The prompt, refused before tokenizing when its text is over `max_prompt_bytes` (UTF-8)."""
     kind = request.WhichOneof("prompt")
+    if kind == "text":
+        text = request.text
+        # len(text) <= UTF-8 size <= 4 * len(text): the first test avoids encoding a huge prompt
+        if len(text) > max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > max_prompt_bytes:
+            raise InvalidRequestError("text", f"prompt text is over --max-prompt-bytes {max_prompt_bytes} "
+                                      "(UTF-8 bytes)")
     prompt: str | list[int] = request.text if kind == "text" else list(request.token_ids.ids)
     if kind is None or not prompt:
         raise InvalidRequestError("prompt", "must not be empty: set `text` or `token_ids`")
     return prompt
+
+
+def request_id_from_proto(request: pb.GenerateRequest) -> str:
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                                  f"got {len(request.request_id)}")
+    return request.request_id or uuid.uuid4().hex
+
+
+class _Undecodable:
+    """What a wrapped deserializer returns for bytes that are not a valid message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _undecodable_message(request: _Undecodable) -> str:
+    return f"request: not a valid protobuf message of the method's request type ({request.error})"
 
 
 class _TextDeltas:
@@ -95,8 +132,10 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
         self._model_info: ModelInfo
         self._config = config
         self._metrics = metrics
-        self._in_flight: set[str] = set()  # touched on the asyncio loop only
+        self._in_flight: dict[str, _Stream] = {}  # touched on the asyncio loop only
         self._started = time.monotonic()
+        self._closing = False
+        self.max_stream_backlog = 0  # high-water mark of any stream's queued outputs (tests, soak)
 
     def attach(self, engine_loop: EngineLoop, model_info: ModelInfo) -> None:
         self._engine = engine_loop
@@ -108,32 +147,34 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if self._closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         try:
             params = sampling_params_from_proto(request.sampling)
-            prompt = prompt_from_proto(request)
+            prompt = prompt_from_proto(request, self._config.max_prompt_bytes)
+            request_id = request_id_from_proto(request)
         except InvalidRequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if len(self._in_flight) >= self._config.max_queue_size:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request queue is full: {len(self._in_flight)} requests in flight "
                                f"(--max-queue-size {self._config.max_queue_size}); retry later")
-        request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._in_flight:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {request_id!r} is already in flight")
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream = _Stream(request_id, context, self._config.max_stream_buffer, self._on_stalled)
+        self._enter(stream)
         loop = asyncio.get_running_loop()
 
         def sink(out: RequestOutput | BaseException) -> None:  # engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            loop.call_soon_threadsafe(stream.deliver, out)
 
-        self._enter(request_id)
         finished = False
         try:
             await asyncio.wrap_future(self._engine.add(request_id, prompt, params, sink))
             text_of = _TextDeltas(self._engine.engine.tokenizer)
             while not finished:
-                out = await outputs.get()
+                out = await stream.outputs.get()
                 if isinstance(out, BaseException):
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out!r}")
@@ -146,9 +187,27 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             finished = True
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
-            if not finished:  # cancelled, disconnected, deadline, or shutdown past the grace period
+            if not finished and not stream.stalled:  # cancelled, disconnected, deadline, grace over
                 self._engine.abort(request_id)
-            self._leave(request_id)
+            self._leave(stream)
+
+    def _on_stalled(self, stream: _Stream) -> None:
+        """A client stopped reading: free its pages and its queue slot now, end the call from aside."""
+        log.warning("request %r: client is not reading (%d responses queued); aborting", stream.request_id,
+                    stream.outputs.qsize())
+        self._engine.abort(stream.request_id)
+        self._leave(stream)
+        self._metrics.rejected.labels(grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+        message = (f"client is not reading: {stream.outputs.qsize()} responses queued "
+                   f"(--max-stream-buffer {self._config.max_stream_buffer}); request aborted")
+        stream.end_task = asyncio.ensure_future(_abort_call(stream, message))
+
+    def close(self) -> None:
+        """Refuse new Generate calls (shutdown)."""
+        self._closing = True
+
+    def request_ids_in_flight(self) -> list[str]:
+        return list(self._in_flight)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
@@ -196,13 +255,54 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
         self._metrics.rejected.labels(code.name).inc()
         await context.abort(code, message)
 
-    def _enter(self, request_id: str) -> None:
-        self._in_flight.add(request_id)
+    def _enter(self, stream: _Stream) -> None:
+        self._in_flight[stream.request_id] = stream
         self._metrics.set_in_flight(len(self._in_flight))
 
-    def _leave(self, request_id: str) -> None:
-        self._in_flight.discard(request_id)
+    def _leave(self, stream: _Stream) -> None:
+        self.max_stream_backlog = max(self.max_stream_backlog, stream.max_backlog)
+        if self._in_flight.get(stream.request_id) is stream:  # a stalled stream left early
+            del self._in_flight[stream.request_id]
         self._metrics.set_in_flight(len(self._in_flight))
+
+
+class _Stream:
+    """One Generate call's outputs, queued on the asyncio loop until the handler writes them."""
+
+    def __init__(self, request_id: str, context: grpc.aio.ServicerContext, limit: int,
+                 on_stalled: Callable[[_Stream], None]) -> None:
+        self.request_id = request_id
+        self.context = context
+        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.stalled = False
+        self.max_backlog = 0
+        self.end_task: asyncio.Future[None] | None = None
+        self.handler_task = asyncio.current_task()  # created inside the handler
+        self._limit = limit
+        self._on_stalled = on_stalled
+
+    def deliver(self, out: RequestOutput | BaseException) -> None:  # asyncio loop
+        if self.stalled:
+            return
+        self.outputs.put_nowait(out)
+        self.max_backlog = max(self.max_backlog, self.outputs.qsize())
+        if self.outputs.qsize() > self._limit:
+            self.stalled = True
+            self._on_stalled(self)
+
+
+async def _abort_call(stream: _Stream, message: str) -> None:
+    """End a call whose handler is blocked in a write. The handler is cancelled first (were the status
+    sent first, its pending write would fail and gRPC would log that as an error), then the status goes
+    out behind what the transport still buffers."""
+    task = stream.handler_task
+    if task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=5.0)
+    try:
+        await stream.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    except BaseException:  # noqa: B036 - abort always raises AbortError; the call is over either way
+        pass
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -265,6 +365,63 @@ def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
     return grpc.unary_unary_rpc_method_handler(deny, **serdes)
 
 
+class RejectUndecodableInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT for request bytes that do not parse (gRPC alone answers UNKNOWN).
+
+    Wraps each unary-request handler: its deserializer returns an `_Undecodable` marker instead of
+    raising, and its behaviour answers the marker with INVALID_ARGUMENT before the servicer sees it.
+    Streaming-request methods (reflection) keep gRPC's own handling."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        return _tolerant_handler(handler)
+
+
+def _tolerant_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError, and others on odd input
+            return _Undecodable(exc)
+
+    serdes = {"request_deserializer": deserialize, "response_serializer": handler.response_serializer}
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+            responses = inner_stream(request, context)
+            if inspect.isawaitable(responses):  # a coroutine that writes with context.write (Health.Watch)
+                await responses
+                return
+            if not inspect.isasyncgen(responses):  # a plain generator: sync servicers are allowed
+                for response in responses:
+                    yield response
+                return
+            try:
+                async for response in responses:
+                    yield response
+            finally:  # a cancelled call closes this generator; close the servicer's with it
+                await responses.aclose()
+
+        return grpc.unary_stream_rpc_method_handler(stream, **serdes)
+    inner_unary = handler.unary_unary
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+        response = inner_unary(request, context)
+        return await response if inspect.isawaitable(response) else response
+
+    return grpc.unary_unary_rpc_method_handler(unary, **serdes)
+
+
 class Server:
     """One gRPC server around one engine. Create and use it inside a running asyncio loop.
 
@@ -291,22 +448,22 @@ class Server:
         """Start the server (and the engine thread, if given an engine); returns the bound port."""
         cfg = self.config
         self._loop = asyncio.get_running_loop()
-        interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-        interceptors.append(self._gate)
+        api_key = cfg.resolve_api_key()
+        interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(api_key)] if api_key else []
+        interceptors += [RejectUndecodableInterceptor(), self._gate]
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]  # never share a port with a stale server
         server = grpc.aio.server(interceptors=interceptors, options=options)
         pb_grpc.add_JaxcppServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+        if cfg.enable_reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), server)
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
         if cfg.tls_cert and cfg.tls_key:
-            pair = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
-            creds = grpc.ssl_server_credentials([pair])
-            self.port = server.add_secure_port(address, creds)
+            self.port = server.add_secure_port(address, _server_credentials(cfg))
         else:
             self.port = server.add_insecure_port(address)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # HealthServicer starts SERVING
@@ -351,7 +508,7 @@ class Server:
 
     async def stop(self, grace: float | None = None) -> None:
         """Turn health NOT_SERVING; then refuse new calls, let calls in flight finish within `grace`
-        seconds, abort the rest, stop.
+        seconds, then abort the requests still running (their streams end with finish reason ABORT), stop.
 
         For the first `drain_announce_s` of the grace the server still listens and health answers
         NOT_SERVING (a probe, or a client watching health, sees the drain and moves on); then the listener
@@ -362,10 +519,23 @@ class Server:
         if self._server is not None:
             announce = min(self.drain_announce_s, grace)
             await asyncio.sleep(announce)
-            await self._server.stop(grace - announce)
+            self.servicer.close()
+            # gRPC refuses new calls from now on and cancels what is left after the grace + a flush
+            stopping = asyncio.ensure_future(self._server.stop(grace - announce + _ABORT_FLUSH_S))
+            if not await self._drained(grace - announce) and self.engine_loop is not None:
+                left = self.servicer.request_ids_in_flight()
+                log.info("grace period over: aborting %d requests still running", len(left))
+                self.engine_loop.abort_all_with_final_output()
+            await stopping
         if self.engine_loop is not None:
             await asyncio.to_thread(self.engine_loop.stop, 30.0)
         self.metrics.close()
+
+    async def _drained(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.servicer.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.servicer.num_in_flight
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -374,6 +544,17 @@ class Server:
     def _on_engine_failure(self, exc: BaseException) -> None:  # engine thread
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self._loop)
+
+
+def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials:
+    """TLS with the server's chain and key; with --tls-client-ca, clients must present a certificate
+    that CA signed (mutual TLS)."""
+    assert cfg.tls_cert and cfg.tls_key
+    pair = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
+    if cfg.tls_client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials([pair], root_certificates=Path(cfg.tls_client_ca).read_bytes(),
+                                       require_client_auth=True)
 
 
 class ServerThread:
