@@ -179,6 +179,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out!r}")
                 finished = out.finished
+                if out.finish_reason == "error":  # the engine failed this request and carries on
+                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed this request: {out.error}")
                 yield self._response(request_id, out, text_of(out))
         except InvalidRequestError as exc:  # the engine refused it: nothing to abort
             finished = True
@@ -443,6 +445,8 @@ class Server:
         self._gate = _WarmUpGate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
+        self.engine_failure: BaseException | None = None  # what stopped the engine thread, if anything
+        self.engine_failed = asyncio.Event()  # set on the server's loop when it did
 
     async def start(self) -> int:
         """Start the server (and the engine thread, if given an engine); returns the bound port."""
@@ -542,8 +546,10 @@ class Server:
             await self._server.wait_for_termination()
 
     def _on_engine_failure(self, exc: BaseException) -> None:  # engine thread
+        self.engine_failure = exc
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self._loop)
+            self._loop.call_soon_threadsafe(self.engine_failed.set)
 
 
 def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials:
@@ -600,8 +606,9 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
                 on_listening: Callable[[Server], None] | None = None) -> int:
     """Listen (health NOT_SERVING), build the engine, serve it until SIGTERM or SIGINT, then drain.
 
-    Returns the exit code: 0, also for a signal during warm-up (nothing to drain then). An engine that
-    fails to build stops the server and raises.
+    Returns the exit code: 0, also for a signal during warm-up (nothing to drain then); 1 when the engine
+    failed while serving (its requests already got INTERNAL, health NOT_SERVING): the orchestrator
+    restarts the process. An engine that fails to build stops the server and raises.
     """
     import signal
 
@@ -627,7 +634,14 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
         building.result()  # raises the factory's error
     if on_ready is not None:
         on_ready(server)
-    await stopping
+    failed = asyncio.ensure_future(server.engine_failed.wait())
+    await asyncio.wait((stopping, failed), return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        log.error("engine failed (%r): stopping with exit code 1", server.engine_failure)
+        stopping.cancel()
+        await server.stop(0)
+        return 1
+    failed.cancel()
     log.info("shutting down: %d requests in flight, %.1f s grace", server.servicer.num_in_flight,
              config.shutdown_grace_s)
     await server.stop()
