@@ -48,7 +48,10 @@ class LLMEngine:
         dtype = device.resolve_dtype(config.model.dtype) if device is not None else config.model.dtype
         self.sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, dtype))
         self.tokenizer = self.sizing.spec.tokenizer
-        self.executor: Executor = executor if executor is not None else device.build_executor(config, self.sizing)
+        if device is not None:
+            executor = device.build_executor(config, self.sizing)
+        assert executor is not None
+        self.executor: Executor = executor
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.chunking: ChunkSizer = self._build_chunk_sizer()
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.sizing.page_size, self.chunking,

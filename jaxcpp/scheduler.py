@@ -17,7 +17,7 @@ forwards the step's timing and the finished requests to the chunk sizer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,19 @@ from jaxcpp.step_input import ScheduledChunk, SchedulerOutput
 __all__ = ["ChunkSizer", "FixedChunkSizer", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StopRule"]
 
 
+class ChunkRequest(Protocol):
+    """What a chunk sizer reads of a request (a `Sequence`, or the simulator's stand-in)."""
+
+    @property
+    def request_id(self) -> Hashable: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_remaining(self) -> int: ...
+
+
 class ChunkSizer(Protocol):
     """Dynamic chunking's one seam: how many prompt tokens a prefilling sequence takes this step, and
     what it learns from the steps that ran (`jaxcpp.chunking.controller.DynamicChunkController`)."""
@@ -39,12 +52,12 @@ class ChunkSizer(Protocol):
 
     def observe_step(self, num_prefill_sources: int) -> None: ...
 
-    def prefill_chunk(self, seq: Sequence, budget_left: int, step_tokens: int) -> int: ...
+    def prefill_chunk(self, seq: ChunkRequest, budget_left: int, step_tokens: int) -> int: ...
 
     def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
-                      request_id: str) -> None: ...
+                      request_id: Hashable) -> None: ...
 
-    def finish_request(self, request_id: str) -> None: ...
+    def finish_request(self, request_id: Hashable) -> None: ...
 
     def run_startup_sweep(self, forward: Callable[[int], float]) -> None: ...
 
@@ -61,14 +74,14 @@ class FixedChunkSizer:
     def observe_step(self, num_prefill_sources: int) -> None:
         pass
 
-    def prefill_chunk(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
+    def prefill_chunk(self, seq: ChunkRequest, budget_left: int, step_tokens: int) -> int:
         return min(seq.num_remaining, budget_left)
 
     def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
-                      request_id: str) -> None:
+                      request_id: Hashable) -> None:
         pass
 
-    def finish_request(self, request_id: str) -> None:
+    def finish_request(self, request_id: Hashable) -> None:
         pass
 
     def run_startup_sweep(self, forward: Callable[[int], float]) -> None:

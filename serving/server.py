@@ -178,6 +178,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                 if isinstance(out, BaseException):
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out!r}")
+                    return
                 finished = out.finished
                 if out.finish_reason == "error":  # the engine failed this request and carries on
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed this request: {out.error}")
