@@ -5,6 +5,9 @@ peaks (a dense matmul and an elementwise copy timed in the same run).
     python benchmarks/kernels.py            # on a GPU: Llama-8B-like heads, real sizes (< 5 minutes)
     python benchmarks/kernels.py --small    # on CPU: tiny shapes; XLA path timed, kernel interpreted
                                             # once on the smallest batch as a smoke test
+    python benchmarks/kernels.py --tiny-model --baseline main   # on CPU: the bundled model's attention
+                                            # at engine sizes (page table of 2048 tokens), the XLA path
+                                            # now and at git revision `main` side by side
 
 FLOPs count only what causality lets a query see (4 * head_dim * num_heads per visible KV position);
 bytes are the minimum traffic: q and out once, each sequence's K/V once per KV head.
@@ -26,7 +29,8 @@ from jaxcpp.kernels.backend import is_rocm, select_attention
 from jaxcpp.kernels.metadata import AttentionMetadata
 from jaxcpp.kernels.ragged_paged_attention import ragged_paged_attention_reference
 
-# name -> (new tokens per sequence, cached prefix per sequence, padded tokens T, padded sequences S)
+# name -> (new tokens per sequence, cached prefix per sequence, padded tokens T, padded sequences S[,
+# max model length: the page table's width, by default the longest sequence])
 GPU_SCENARIOS = {
     "decode-heavy": ([1] * 256, list(np.linspace(512, 4095, 256, dtype=int)), 256, 256),
     "prefill-heavy": ([1024] * 4, [0, 2048, 4096, 8192], 4096, 8),
@@ -37,6 +41,16 @@ SMALL_SCENARIOS = {
     "prefill-heavy": ([40, 24], [0, 64], 64, 4),
     "mixed": ([1] * 8 + [56], list(range(30, 110, 10)) + [32], 64, 12),
 }
+# The bundled tiny model's attention in the engine's shapes: buckets of T tokens with S = min(T, 64)
+# sequences, a page table of max_model_len 2048 (its max_position_embeddings).
+TINY_MODEL_SCENARIOS = {
+    "decode-64@512-2k": ([1] * 64, list(np.linspace(512, 2047, 64, dtype=int)), 64, 64, 2048),
+    "decode-64@128-272": ([1] * 64, list(np.linspace(128, 271, 64, dtype=int)), 64, 64, 2048),
+    "decode-16@512-2k": ([1] * 16, list(np.linspace(512, 2047, 16, dtype=int)), 64, 64, 2048),
+    "mixed-32+448": ([1] * 32 + [448], list(np.linspace(512, 2047, 32, dtype=int)) + [1024], 512, 64, 2048),
+    "prefill-512@1k": ([512], [1024], 512, 64, 2048),
+}
+TINY_MODEL_HEADS = dict(num_heads=4, num_kv_heads=2, head_dim=32)
 
 
 def median_seconds(fn: Callable[[], jax.Array], iters: int) -> float:
@@ -47,6 +61,20 @@ def median_seconds(fn: Callable[[], jax.Array], iters: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], jax.Array]], iters: int) -> dict[str, float]:
+    """Median seconds of each function, timed in turn round by round, so load on a shared machine
+    falls on all of them alike (side-by-side comparisons stay fair)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile + warm up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure_peaks(dtype, *, n: int, copy_bytes: int, iters: int) -> tuple[float, float]:
@@ -60,11 +88,11 @@ def measure_peaks(dtype, *, n: int, copy_bytes: int, iters: int) -> tuple[float,
     return tflops, gbps
 
 
-def build_batch(q_lens, prefixes, num_tokens, num_seqs, *, page_size, num_heads, num_kv_heads, head_dim,
-                dtype, seed=0):
+def build_batch(q_lens, prefixes, num_tokens, num_seqs, max_model_len=None, *, page_size, num_heads,
+                num_kv_heads, head_dim, dtype, seed=0):
     rng = np.random.default_rng(seed)
     kv_lens = np.asarray(prefixes) + np.asarray(q_lens)
-    pages_per_seq = -(-int(kv_lens.max()) // page_size)
+    pages_per_seq = -(-int(max_model_len or kv_lens.max()) // page_size)
     num_pages = 1 + sum(-(-int(n) // page_size) for n in kv_lens)
     free = iter(1 + rng.permutation(num_pages - 1))
     page_indices = np.zeros((num_seqs, pages_per_seq), np.int32)
@@ -96,16 +124,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU run")
+    parser.add_argument("--tiny-model", action="store_true",
+                        help="the bundled tiny model's attention heads at engine sizes (CPU, ~1 minute)")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time the XLA path of kernels/ragged_paged_attention.py at git revision REV")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=None, help="timed runs per case (median is printed)")
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
     on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.small:
+    if not on_gpu and not (args.small or args.tiny_model):
         print("no GPU: running the --small shapes (the full ones would take hours on CPU)")
         args.small = True
-    if args.small:
+    if args.tiny_model:
+        scenarios, heads, iters = TINY_MODEL_SCENARIOS, TINY_MODEL_HEADS, 10
+        peak_n, peak_bytes = 512, 64 << 20
+    elif args.small:
         scenarios, heads, iters = SMALL_SCENARIOS, dict(num_heads=4, num_kv_heads=2, head_dim=64), 5
         peak_n, peak_bytes = 512, 64 << 20
     else:
@@ -120,22 +155,31 @@ def main() -> None:
     paths = {"reference": jax.jit(ragged_paged_attention_reference),
              "xla": jax.jit(select_attention("xla")),
              "pallas": jax.jit(select_attention("pallas"))}
+    if args.baseline:
+        from baseline import module_at_revision
+
+        old = module_at_revision("kernels/ragged_paged_attention.py", args.baseline)
+        paths[f"xla@{args.baseline}"] = jax.jit(old.ragged_paged_attention_xla)
     smallest = min(scenarios, key=lambda name: scenarios[name][2])
-    print(f"{'scenario':<14} {'path':<16} {'T':>5} {'S':>4} {'median ms':>10} {'TFLOP/s':>8} {'%peak':>6} "
+    width = max(14, *map(len, scenarios))
+    print(f"{'scenario':<{width}} {'path':<16} {'T':>5} {'S':>4} {'median ms':>10} {'TFLOP/s':>8} {'%peak':>6} "
           f"{'GB/s':>8} {'%peak':>6} {'max err':>8}")
-    for name, (q_lens, prefixes, num_tokens, num_seqs) in scenarios.items():
-        batch, flops, nbytes = build_batch(q_lens, prefixes, num_tokens, num_seqs, page_size=args.page_size,
-                                           dtype=dtype, **heads)
+    for name, (q_lens, prefixes, num_tokens, num_seqs, *max_model_len) in scenarios.items():
+        batch, flops, nbytes = build_batch(q_lens, prefixes, num_tokens, num_seqs, *max_model_len,
+                                           page_size=args.page_size, dtype=dtype, **heads)
         expected = paths["reference"](*batch)
-        for path, fn in paths.items():
-            if path == "pallas" and not on_gpu and name != smallest:
-                continue  # interpret mode measures the interpreter, not the kernel: one smoke run only
-            runs = 1 if path == "pallas" and not on_gpu else iters
-            seconds = median_seconds(functools.partial(fn, *batch), runs)
+        # Interpret mode measures the interpreter, not the kernel: off a GPU, one smoke run only.
+        timed = {path: functools.partial(fn, *batch) for path, fn in paths.items()
+                 if on_gpu or path != "pallas"}
+        medians = interleaved_medians(timed, iters)
+        if not on_gpu and name == smallest:
+            medians["pallas"] = median_seconds(functools.partial(paths["pallas"], *batch), 1)
+        for path, seconds in medians.items():
+            fn = paths[path]
             err = float(jnp.max(jnp.abs(fn(*batch).astype(jnp.float32) - expected.astype(jnp.float32))))
             label = "pallas(interp)" if path == "pallas" and not on_gpu else path
             tflops, gbps = flops / seconds / 1e12, nbytes / seconds / 1e9
-            print(f"{name:<14} {label:<16} {num_tokens:>5} {num_seqs:>4} {seconds * 1e3:>10.3f} "
+            print(f"{name:<{width}} {label:<16} {num_tokens:>5} {num_seqs:>4} {seconds * 1e3:>10.3f} "
                   f"{tflops:>8.3f} {100 * tflops / peak_tflops:>5.1f}% {gbps:>8.1f} "
                   f"{100 * gbps / peak_gbps:>5.1f}% {err:>8.1e}")
 
