@@ -1,11 +1,15 @@
 """Offline throughput: jaxcpp's `LLM.generate` against Hugging Face `generate` on the same weights.
 
-One mixed-length workload (prompts 32-1024 tokens, outputs 16-256), in batches of 32 for both. jaxcpp
-compiles every bucket at start-up; that time is reported apart from the generation time. HF runs each
-batch left-padded, greedy, to the batch's longest output (its `generate` cannot stop rows separately
-without wasting their slots), and only the tokens each request asked for are counted for either engine.
+Two workloads: `mixed` (prompts 32-1024 tokens, outputs 16-256) and `decode-heavy` (16-token prompts,
+`--output-len` tokens each), in batches of `--batch-size` for both engines. jaxcpp compiles every
+bucket at start-up; that time is reported apart from the generation time. HF runs each batch
+left-padded, greedy, to the batch's longest output (its `generate` cannot stop rows separately without
+wasting their slots), and only the tokens each request asked for are counted for either engine.
+jaxcpp's padding share (padded tokens over all tokens its steps ran) is printed too.
 
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 64 --model tiny
+    .venv/bin/python benchmarks/offline_throughput.py --workload decode-heavy --batch-size 64 --skip-hf \
+        --baseline main --repeat 3      # jaxcpp now vs its attention path at `main`, alternating
 """
 
 from __future__ import annotations
@@ -14,17 +18,47 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import numpy as np
 
+MAX_PROMPT = {"mixed": 1024, "decode-heavy": 16}
 
-def workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(seed)
+
+def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    if args.workload == "decode-heavy":
+        return [rng.integers(3, min(vocab, 256), 16).tolist() for _ in range(n)], [args.output_len] * n
     prompts = [rng.integers(3, min(vocab, 256), int(rng.integers(32, 1025))).tolist() for _ in range(n)]
     outputs = [int(x) for x in rng.integers(16, 257, n)]
     return prompts, outputs
+
+
+def record_step_tokens(llm) -> list[tuple[int, int]]:
+    """(real tokens, padded tokens) of every step the engine submits from now on."""
+    steps: list[tuple[int, int]] = []
+    submit = llm.engine.executor.submit
+
+    def recording_submit(step, *a, **kw):
+        steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded))  # padding repeats the real end
+        return submit(step, *a, **kw)
+
+    llm.engine.executor.submit = recording_submit
+    return steps
+
+
+def use_attention_at(revision: str) -> None:
+    """Make the engine's "xla" backend the XLA attention path as it was at `revision`."""
+    from baseline import module_at_revision
+
+    import jaxcpp.kernels.backend as backend
+
+    old = module_at_revision("kernels/ragged_paged_attention.py", revision)
+    backend.ragged_paged_attention_xla = old.ragged_paged_attention_xla
 
 
 def run_jaxcpp(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
@@ -32,15 +66,19 @@ def run_jaxcpp(args: argparse.Namespace, prompts: list[list[int]], outputs: list
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.batch_size, max_model_len=1024 + 256, log_stats_interval_s=0)
+              max_num_seqs=args.batch_size, max_model_len=MAX_PROMPT[args.workload] + max(outputs),
+              log_stats_interval_s=0)
     startup = time.perf_counter() - t0
+    steps = record_step_tokens(llm)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in outputs]
     t0 = time.perf_counter()
     for i in range(0, len(prompts), args.batch_size):
         llm.generate(prompt_token_ids=prompts[i:i + args.batch_size], sampling_params=params[i:i + args.batch_size])
     elapsed = time.perf_counter() - t0
+    real, padded = sum(r for r, _ in steps), sum(p for _, p in steps)
     return {"startup_s": startup, "compile_s": llm.engine.warmup_seconds, "generate_s": elapsed,
-            "output_tok_s": sum(outputs) / elapsed, "total_tok_s": (sum(outputs) + sum(map(len, prompts))) / elapsed}
+            "output_tok_s": sum(outputs) / elapsed, "total_tok_s": (sum(outputs) + sum(map(len, prompts))) / elapsed,
+            "steps": len(steps), "padding_share": (padded - real) / padded, "step_tokens": steps}
 
 
 def run_hf(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
@@ -70,33 +108,74 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int
             "total_tok_s": (sum(outputs) + sum(map(len, prompts))) / elapsed}
 
 
+def run_variant(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
+                revision: str | None) -> dict:
+    """One jaxcpp run in a fresh process (so a baseline's attention path cannot leak into the other)."""
+    cmd = [sys.executable, __file__, "--jaxcpp-child", json.dumps({"args": vars(args), "revision": revision})]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def jaxcpp_child(spec: str) -> None:
+    spec = json.loads(spec)
+    args = argparse.Namespace(**spec["args"])
+    if spec["revision"]:
+        use_attention_at(spec["revision"])
+    from jaxcpp.models.checkpoint import resolve_model
+
+    prompts, outputs = workload(args, resolve_model(args.model)[0].vocab_size)
+    print(json.dumps(run_jaxcpp(args, prompts, outputs)))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median generate time (its other figures come with it)."""
+    return sorted(runs, key=lambda r: r["generate_s"])[len(runs) // 2]
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--jaxcpp-child":
+        jaxcpp_child(sys.argv[2])
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--workload", default="mixed", choices=("mixed", "decode-heavy"))
+    p.add_argument("--output-len", type=int, default=256, help="decode-heavy: output tokens per request")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run jaxcpp with the XLA attention path of git revision REV (alternating)")
+    p.add_argument("--repeat", type=int, default=1, help="jaxcpp runs per variant; medians are printed")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
     from jaxcpp.models.checkpoint import resolve_model
 
     vocab = resolve_model(args.model)[0].vocab_size
-    prompts, outputs = workload(args.num_requests, vocab, args.seed)
-    print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))} "
+    prompts, outputs = workload(args, vocab)
+    print(f"workload {args.workload}: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))} "
           f"(median {statistics.median(map(len, prompts)):.0f}), output tokens {sum(outputs)}, "
           f"batches of {args.batch_size}")
-    results = {"jaxcpp": run_jaxcpp(args, prompts, outputs)}
+    variants = {"jaxcpp": None, **({f"jaxcpp@{args.baseline}": args.baseline} if args.baseline else {})}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.repeat):
+        for name, revision in variants.items():  # alternate, so load on the machine falls on both alike
+            runs[name].append(run_variant(args, prompts, outputs, revision))
+            r = runs[name][-1]
+            print(f"  {name}: {r['output_tok_s']:.1f} output tok/s ({r['generate_s']:.1f}s)")
+    results = {name: median_run(rs) for name, rs in runs.items()}
     if not args.skip_hf:
         results["hf"] = run_hf(args, prompts, outputs)
-    print(f"{'engine':8} {'generate s':>11} {'output tok/s':>13} {'total tok/s':>12}")
+    width = max(8, *map(len, results))
+    print(f"{'engine':{width}} {'generate s':>11} {'output tok/s':>13} {'total tok/s':>12}")
     for name, r in results.items():
-        print(f"{name:8} {r['generate_s']:11.1f} {r['output_tok_s']:13.1f} {r['total_tok_s']:12.1f}")
+        print(f"{name:{width}} {r['generate_s']:11.1f} {r['output_tok_s']:13.1f} {r['total_tok_s']:12.1f}")
     j = results["jaxcpp"]
-    print(f"jaxcpp start-up {j['startup_s']:.1f}s, of which compiling every bucket {j['compile_s']:.1f}s")
+    print(f"jaxcpp start-up {j['startup_s']:.1f}s, of which compiling every bucket {j['compile_s']:.1f}s; "
+          f"{j['steps']} steps, padding share {100 * j['padding_share']:.1f}% of the tokens they ran")
     if "hf" in results:
         print(f"ratio jaxcpp / HF output tokens/s: {j['output_tok_s'] / results['hf']['output_tok_s']:.2f}x")
     if args.json:
