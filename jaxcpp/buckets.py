@@ -36,3 +36,14 @@ def pad_to_bucket(n: int, buckets: list[int]) -> int:
 
 def seq_bucket(token_bucket: int, max_num_seqs: int) -> int:
     return min(token_bucket, max_num_seqs)
+
+
+def padding_share(step_tokens: list[int], buckets: list[int]) -> float:
+    """The share of padding in the tokens a run's steps computed: sum(bucket - n) / sum(bucket).
+
+    `step_tokens` are the real token counts of the steps (the schedule does not depend on the ladder,
+    so one recorded run prices any ladder)."""
+    if not step_tokens:
+        raise ValueError("step_tokens is empty: no steps to price")
+    padded = sum(pad_to_bucket(n, buckets) for n in step_tokens)
+    return (padded - sum(step_tokens)) / padded
