@@ -5,7 +5,8 @@ model never learns which one it got, and each is safe to call inside `jax.jit`.
 
 - "xla": `ragged_paged_attention_xla`, pure JAX, the CPU path: decodes read only their real pages, laid
   end to end; prefill tokens gather each sequence's pages once per query block.
-  `ragged_paged_attention_reference` (every token gathers its own pages) stays the simple correctness reference, selected by no flag.
+  `ragged_paged_attention_reference` (every token gathers its own pages) stays the simple correctness
+  reference, selected by no flag.
 - "pallas": the Pallas kernel. On a GPU it is compiled through the Triton lowering, selected explicitly
   with `pltriton.CompilerParams` on CUDA and ROCm alike: Mosaic GPU (the default Pallas GPU lowering)
   refuses ROCm, and the kernel is written for Triton (scalar metadata loads, gathered page loads).
