@@ -2,21 +2,27 @@
 
     .venv/bin/python benchmarks/cold_start.py                      # bundled model, default serve flags
     .venv/bin/python benchmarks/cold_start.py --runs 3 --serve-args "--max-num-batched-tokens 2048"
+    .venv/bin/python benchmarks/cold_start.py --baseline main      # + serve with main's ladder and attention
     .venv/bin/python benchmarks/cold_start.py --profile             # where the cold start goes, in-process
     .venv/bin/python benchmarks/cold_start.py --profile --concurrent-compile 2   # + a concurrent prototype
+    .venv/bin/python benchmarks/cold_start.py --profile --baseline main  # + the attention path at `main`
 
 Default mode: each run starts `jaxcpp serve` with JAXCPP_COMPILATION_CACHE_DIR pointed at a fresh
 temporary folder (cold), waits until the standard gRPC health service answers SERVING, stops it
 (SIGTERM), then starts it again on the same folder (warm). It prints the time to SERVING, the warm-up
 total and the per-program compile times the log reports ("compiled bucket i/N: T tokens (s)"), and the
-medians over `--runs`.
+medians over `--runs`. `--baseline REV` alternates with a `jaxcpp serve` whose bucket ladder
+(jaxcpp/buckets.py) and XLA attention path (kernels/ragged_paged_attention.py) are those of git
+revision REV, everything else current.
 
 `--profile`: builds the engine in this process (what `serve` does before it listens) with JAX's
 monitoring events attached, on a fresh cache, and splits the start-up into import, model load,
 tracing (jaxpr), lowering (to StableHLO), XLA compile, and the rest (running the warm-up steps, cache
 writes, host work). `--concurrent-compile N` also times a prototype that lowers and compiles every
 bucket's program in N threads (`jax.jit(...).lower(...).compile()`, which fills the persistent cache)
-before the engine's own warm-up, which then only reads the cache.
+before the engine's own warm-up, which then only reads the cache. `--baseline REV` also profiles a
+start-up whose XLA attention path is the one of git revision REV (what a kernel change costs in compile
+time).
 """
 
 from __future__ import annotations
@@ -61,11 +67,27 @@ def health_status(target: str) -> str | None:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def start_to_serving(cache_dir: str, serve_args: list[str], timeout_s: float) -> dict[str, object]:
+def serve_with_baseline(revision: str, argv: list[str]) -> int:
+    """`jaxcpp serve` with the bucket ladder and the XLA attention path of `revision` patched in."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from baseline import module_at_revision
+    from offline_throughput import use_attention_at
+
+    import jaxcpp.sizing as sizing
+    from jaxcpp.serving.cli import main as jaxcpp_main
+
+    use_attention_at(revision)
+    sizing.token_buckets = module_at_revision("jaxcpp/buckets.py", revision).token_buckets
+    return jaxcpp_main(argv)
+
+
+def start_to_serving(cache_dir: str, serve_args: list[str], timeout_s: float,
+                     baseline: str | None = None) -> dict[str, object]:
     """Start `jaxcpp serve`, poll health until SERVING; return the timings and the log's compile lines."""
     port = free_port()
     env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": cache_dir}
-    cmd = [JAXCPP, "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    argv = ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    cmd = [sys.executable, __file__, "--serve-child", baseline, *argv] if baseline else [JAXCPP, *argv]
     log_lines: list[str] = []
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -97,23 +119,27 @@ def start_to_serving(cache_dir: str, serve_args: list[str], timeout_s: float) ->
 def run_serve_mode(args: argparse.Namespace) -> dict[str, object]:
     serve_args = shlex.split(args.serve_args)
     print(f"jaxcpp serve --model tiny {args.serve_args} (the rest default); {args.runs} cold/warm pair(s)")
-    runs = []
+    variants = {"current": None, **({f"@{args.baseline}": args.baseline} if args.baseline else {})}
+    runs: dict[str, list] = {name: [] for name in variants}
     for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="jaxcpp-cold-start-") as cache_dir:
-            cold = start_to_serving(cache_dir, serve_args, args.timeout)
-            warm = start_to_serving(cache_dir, serve_args, args.timeout)
-        runs.append({"cold": cold, "warm": warm})
-        for name, r in (("cold", cold), ("warm", warm)):
-            per_bucket = " ".join(f"{t}:{s:.1f}" for t, s in r["buckets"])
-            print(f"run {i + 1} {name}: SERVING after {r['to_serving_s']:.1f}s, warm-up {r['warmup_s']}s, "
-                  f"{len(r['buckets'])} programs (tokens:s) {per_bucket}")
-    summary = {}
-    for name in ("cold", "warm"):
-        summary[name] = {"to_serving_s": statistics.median(r[name]["to_serving_s"] for r in runs),
-                         "warmup_s": statistics.median(r[name]["warmup_s"] or 0.0 for r in runs)}
-    print(f"\n{'cache':6} {'median to SERVING s':>20} {'median warm-up s':>17}")
-    for name, s in summary.items():
-        print(f"{name:6} {s['to_serving_s']:20.1f} {s['warmup_s']:17.1f}")
+        for variant, revision in variants.items():  # alternate, so load falls on both alike
+            with tempfile.TemporaryDirectory(prefix="jaxcpp-cold-start-") as cache_dir:
+                cold = start_to_serving(cache_dir, serve_args, args.timeout, revision)
+                warm = start_to_serving(cache_dir, serve_args, args.timeout, revision)
+            runs[variant].append({"cold": cold, "warm": warm})
+            for name, r in (("cold", cold), ("warm", warm)):
+                per_bucket = " ".join(f"{t}:{s:.1f}" for t, s in r["buckets"])
+                print(f"{variant} run {i + 1} {name}: SERVING after {r['to_serving_s']:.1f}s, warm-up "
+                      f"{r['warmup_s']}s, {len(r['buckets'])} programs (tokens:s) {per_bucket}", flush=True)
+    summary: dict[str, dict] = {}
+    print(f"\n{'variant':12} {'cache':6} {'programs':>8} {'median to SERVING s':>20} {'median warm-up s':>17}")
+    for variant, vruns in runs.items():
+        for name in ("cold", "warm"):
+            s = {"to_serving_s": statistics.median(r[name]["to_serving_s"] for r in vruns),
+                 "warmup_s": statistics.median(r[name]["warmup_s"] or 0.0 for r in vruns),
+                 "programs": len(vruns[0][name]["buckets"])}
+            summary[f"{variant} {name}"] = s
+            print(f"{variant:12} {name:6} {s['programs']:8} {s['to_serving_s']:20.1f} {s['warmup_s']:17.1f}")
     return {"runs": runs, "median": summary}
 
 
@@ -144,31 +170,38 @@ class CompileEvents:
             self.counts[name] += 1
 
 
-def precompile_concurrently(engine_config, loaded, threads: int) -> float:
-    """Prototype: lower + compile every bucket's step program in `threads` threads; returns seconds.
+def precompile_concurrently(engine_config, threads: int) -> float:
+    """Prototype: lower + compile every bucket's stage program in `threads` threads; returns seconds.
 
-    Mirrors ModelRunner's jitted step (same function, same donation), so the programs land in the
-    persistent cache under the keys the warm-up then looks up."""
+    Builds the same one-stage executor the engine builds and lowers its jitted program with committed
+    inputs, as `submit` passes them, so the programs land in the persistent cache under the keys the
+    engine's warm-up then looks up (default serve flags: one stage)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
 
-    from jaxcpp.kernels.backend import select_attention
-    from jaxcpp.runtime.model_runner import ModelRunner, dummy_step
+    from jaxcpp.models.spec import resolve_model_spec
+    from jaxcpp.runtime import factory
+    from jaxcpp.sizing import EngineSizing
+    from jaxcpp.step_input import pack, padding_step
 
-    runner = ModelRunner(loaded.config, loaded.params, loaded.num_pages, engine_config.cache.block_size,
-                         select_attention(engine_config.model.attention_backend))
+    spec = resolve_model_spec(engine_config.model.model, factory.resolve_dtype(engine_config.model.dtype))
+    sizing = EngineSizing.plan(engine_config, spec)
+    executor = factory.build_executor(engine_config, sizing)
+    (stage,) = executor.stages
 
     def compile_bucket(num_tokens: int) -> float:
         t0 = time.perf_counter()
-        step = dummy_step(num_tokens, engine_config.scheduler.max_num_seqs, loaded.pages_per_seq)
-        runner._step.lower(runner.params, runner.kv, dict(step.__dict__)).compile()
+        buf, layout = pack(padding_step(num_tokens, sizing.shape))
+        packed = jax.device_put(buf, stage.replicated)  # committed, as submit passes it
+        stage._program.lower(stage.params, stage.kv, None, packed, layout=layout).compile()
         return time.perf_counter() - t0
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(compile_bucket, loaded.token_buckets))
+        list(pool.map(compile_bucket, sizing.token_buckets))
     seconds = time.perf_counter() - t0
+    executor.close()
     jax.clear_caches()  # the warm-up must find the programs in the persistent cache, not in memory
     return seconds
 
@@ -181,30 +214,33 @@ def profile_child(args: argparse.Namespace) -> None:
     from jaxcpp.cli_args import add_engine_args, engine_config_from_args
 
     imported = time.perf_counter() - t0
+    if args.baseline:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from offline_throughput import use_attention_at
+
+        use_attention_at(args.baseline)
     events = CompileEvents()
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     engine_config = engine_config_from_args(parser.parse_args(["--model", "tiny", *shlex.split(args.serve_args)]))
     precompile_s = 0.0
     if args.concurrent_compile:
-        from jaxcpp.runtime.factory import load_model
-
-        precompile_s = precompile_concurrently(engine_config, load_model(engine_config), args.concurrent_compile)
+        precompile_s = precompile_concurrently(engine_config, args.concurrent_compile)
     from jaxcpp.engine import LLMEngine
 
     t1 = time.perf_counter()
     engine = LLMEngine(engine_config)
     build = time.perf_counter() - t1
     print(json.dumps({"import_s": imported, "precompile_s": precompile_s, "engine_s": build,
-                      "warmup_s": engine.warmup_seconds, "buckets": engine.shape.token_buckets,
+                      "warmup_s": engine.warmup_seconds, "buckets": engine.sizing.token_buckets,
                       "events_s": dict(events.seconds), "event_counts": dict(events.counts)}))
 
 
-def run_profile_child(args: argparse.Namespace, concurrent: int) -> dict[str, object]:
+def run_profile_child(args: argparse.Namespace, concurrent: int, baseline: str | None) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="jaxcpp-cold-start-") as cache_dir:
         env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": cache_dir}
         cmd = [sys.executable, __file__, "--profile-child", "--serve-args", args.serve_args,
-               "--concurrent-compile", str(concurrent)]
+               "--concurrent-compile", str(concurrent), *(["--baseline", baseline] if baseline else [])]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -224,12 +260,15 @@ def print_profile(name: str, p: dict[str, object]) -> None:
 def run_profile_mode(args: argparse.Namespace) -> dict[str, object]:
     print(f"in-process engine start-up (what serve does before it listens), fresh cache, flags: "
           f"--model tiny {args.serve_args}")
-    results: dict[str, list] = {"sequential": []}
+    variants = {"sequential": (0, None)}
     if args.concurrent_compile:
-        results[f"concurrent x{args.concurrent_compile}"] = []
-    for _ in range(args.runs):  # alternate, so load on the machine falls on both alike
-        for name in results:
-            p = run_profile_child(args, 0 if name == "sequential" else args.concurrent_compile)
+        variants[f"concurrent x{args.concurrent_compile}"] = (args.concurrent_compile, None)
+    if args.baseline:
+        variants[f"sequential, attention@{args.baseline}"] = (0, args.baseline)
+    results: dict[str, list] = {name: [] for name in variants}
+    for _ in range(args.runs):  # alternate, so load on the machine falls on all alike
+        for name, (concurrent, baseline) in variants.items():
+            p = run_profile_child(args, concurrent, baseline)
             results[name].append(p)
             print_profile(name, p)
     print()
@@ -240,6 +279,8 @@ def run_profile_mode(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve-child":
+        sys.exit(serve_with_baseline(sys.argv[2], sys.argv[3:]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=1, help="cold/warm pairs (or profile runs); medians printed")
     p.add_argument("--serve-args", default="", help="extra flags for `jaxcpp serve` (default flags otherwise)")
@@ -247,6 +288,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="split an in-process cold start by phase")
     p.add_argument("--concurrent-compile", type=int, default=0, metavar="N",
                    help="with --profile: also time compiling the buckets in N threads first")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run with the bucket ladder and XLA attention path of git revision REV "
+                        "(--profile: the attention path only)")
     p.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
