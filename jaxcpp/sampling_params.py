@@ -18,9 +18,8 @@ class SamplingParams:
     ignore_eos: bool = False              # keep going past the model's EOS
 
     def __post_init__(self) -> None:
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids",
-                                      f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):  # ids no token has simply never match
+            raise InvalidRequestError("stop_token_ids", f"must be integers, got {self.stop_token_ids!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
