@@ -65,6 +65,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # arrival of each token-carrying message
     cached_tokens: int = 0        # prompt tokens the server's prefix cache supplied
+    server_ttft: float = 0.0      # the engine's own TTFT (from admission), from the last message
     token_ids: list[int] = field(default_factory=list, repr=False)  # the output (multi-turn resends it)
 
     @property
@@ -130,6 +131,7 @@ async def _one(client: AsyncClient, spec: RequestSpec, t0: float) -> RequestResu
             if delta.finish_reason is not None:
                 res.prompt_len = delta.num_prompt_tokens
                 res.cached_tokens = delta.num_cached_tokens
+                res.server_ttft = delta.ttft_s
         res.e2el = time.perf_counter() - start
         res.success = True
     except Exception as exc:  # a failed request is reported, not fatal
@@ -367,7 +369,8 @@ def cmd_prefix(args: argparse.Namespace) -> int:
 def run_prefix_workload(args: argparse.Namespace, target: str, workload: str) -> dict[str, Any]:
     vocab_size, eos = asyncio.run(_model_vocab(target, args.api_key))
     vocab = [t for t in range(vocab_size) if t not in eos]
-    rng = random.Random(args.seed)
+    # Each workload its own tokens: the chats must not hit the system prompt of the first workload.
+    rng = random.Random(f"{args.seed}-{workload}")
     before = asyncio.run(_prefix_counters(target, args.api_key))
     if workload == "shared-prefix":
         specs = shared_prefix_requests(args.num_prompts, args.shared_prefix_len, args.random_input_len,
@@ -383,7 +386,8 @@ def run_prefix_workload(args: argparse.Namespace, target: str, workload: str) ->
     summary = summarize(results, duration, args.percentiles, {})
     return {"workload": workload, "summary": summary, "hit_rate": hit / queried if queried else 0.0,
             "queried_tokens": queried, "hit_tokens": hit,
-            "cached_tokens_per_request": [r.cached_tokens for r in results]}
+            "cached_tokens_per_request": [r.cached_tokens for r in results],
+            "requests": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
 
 
 def prefix_table(rows: list[dict[str, Any]]) -> str:
