@@ -13,8 +13,16 @@ writes all of it, with per-request token timestamps, as JSON.
 `--max-num-batched-tokens`), runs the same workload against each, and writes the markdown table and
 the ITL-over-time plot.
 
+`prefix`: prefix caching on and off, one local server each, the same two workloads against both:
+(a) `--num-prompts` requests sharing a `--shared-prefix-len` system prompt, each with its own
+`--random-input-len` suffix; (b) `--num-conversations` multi-turn chats of `--num-turns` turns, each
+turn resending the whole history (earlier user turns of `--turn-input-len` tokens and the model's
+replies) plus a new user turn. Reports TTFT, throughput and the prefix-cache hit rate (the server's
+hit / queried tokens over the workload) as a markdown table.
+
     python benchmarks/serving.py run --target 127.0.0.1:50051 --num-prompts 200 --request-rate 8
     python benchmarks/serving.py sweep --budgets 64,128,256 --out sweep.md
+    python benchmarks/serving.py prefix --serve-args "--model tiny --max-model-len 2048" --num-prompts 64
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ class RequestResult:
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # arrival of each token-carrying message
+    cached_tokens: int = 0        # prompt tokens the server's prefix cache supplied
+    server_ttft: float = 0.0      # the engine's own TTFT (from admission), from the last message
+    token_ids: list[int] = field(default_factory=list, repr=False)  # the output (multi-turn resends it)
 
     @property
     def tpot(self) -> float:
@@ -84,6 +95,13 @@ def dataset_requests(path: str, n: int, default_output_len: int) -> list[Request
     return [specs[i % len(specs)] for i in range(n)]
 
 
+def shared_prefix_requests(n: int, prefix_len: int, suffix_len: int, output_len: int, vocab: list[int],
+                           rng: random.Random) -> list[RequestSpec]:
+    """n prompts: one system prompt of `prefix_len` tokens, then a suffix of `suffix_len` of their own."""
+    prefix = [rng.choice(vocab) for _ in range(prefix_len)]
+    return [RequestSpec(prefix + [rng.choice(vocab) for _ in range(suffix_len)], output_len) for _ in range(n)]
+
+
 def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
     """Gaps between sends: Gamma(shape=burstiness, mean 1/rate); burstiness 1 is a Poisson process."""
     if math.isinf(rate):
@@ -109,8 +127,11 @@ async def _one(client: AsyncClient, spec: RequestSpec, t0: float) -> RequestResu
                 res.token_times.append(now - t0)
                 res.output_len += len(delta.token_ids)
                 last = now
+            res.token_ids += delta.token_ids
             if delta.finish_reason is not None:
                 res.prompt_len = delta.num_prompt_tokens
+                res.cached_tokens = delta.num_cached_tokens
+                res.server_ttft = delta.ttft_s
         res.e2el = time.perf_counter() - start
         res.success = True
     except Exception as exc:  # a failed request is reported, not fatal
@@ -142,6 +163,38 @@ async def run_workload(target: str, specs: list[RequestSpec], gaps: list[float],
             await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - t0
+
+
+async def run_conversations(target: str, num_conversations: int, num_turns: int, turn_len: int, output_len: int,
+                            vocab: list[int], rng: random.Random,
+                            api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    """Concurrent chats; each turn waits for the previous reply and resends the whole history with it."""
+    turns = [[[rng.choice(vocab) for _ in range(turn_len)] for _ in range(num_turns)]
+             for _ in range(num_conversations)]
+    async with AsyncClient(target, api_key=api_key) as client:
+        await client.wait_ready(30)
+        t0 = time.perf_counter()
+
+        async def chat(user_turns: list[list[int]]) -> list[RequestResult]:
+            history: list[int] = []
+            results = []
+            for user in user_turns:
+                history += user
+                res = await _one(client, RequestSpec(list(history), output_len), t0)
+                results.append(res)
+                if not res.success:
+                    break
+                history += res.token_ids
+            return results
+
+        chats = await asyncio.gather(*(chat(c) for c in turns))
+        return [r for c in chats for r in c], time.perf_counter() - t0
+
+
+async def _prefix_counters(target: str, api_key: str | None) -> tuple[int, int]:
+    async with AsyncClient(target, api_key=api_key) as client:
+        e = (await client.stats()).engine
+        return e.num_prefix_cache_queried_tokens_total, e.num_prefix_cache_hit_tokens_total
 
 
 # -- reporting -----------------------------------------------------------------------------------
@@ -293,6 +346,66 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prefix(args: argparse.Namespace) -> int:
+    rows = []
+    for name, flag in (("off", "--no-enable-prefix-caching"), ("on", "--enable-prefix-caching")):
+        server = LocalServer([*args.serve_args.split(), flag])
+        try:
+            for workload in ("shared-prefix", "multi-turn"):
+                row = run_prefix_workload(args, server.target, workload)
+                row["caching"] = name
+                rows.append(row)
+                s = row["summary"]
+                print(f"caching {name:<3} {workload:<13} TTFT p50 {s['ttft_ms']['median']:.0f} ms  "
+                      f"hit rate {row['hit_rate']:.1%}", flush=True)
+        finally:
+            server.stop()
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(rows, indent=1))
+    print(prefix_table(rows))
+    return 0
+
+
+def run_prefix_workload(args: argparse.Namespace, target: str, workload: str) -> dict[str, Any]:
+    vocab_size, eos = asyncio.run(_model_vocab(target, args.api_key))
+    vocab = [t for t in range(vocab_size) if t not in eos]
+    # Each workload its own tokens: the chats must not hit the system prompt of the first workload.
+    rng = random.Random(f"{args.seed}-{workload}")
+    before = asyncio.run(_prefix_counters(target, args.api_key))
+    if workload == "shared-prefix":
+        specs = shared_prefix_requests(args.num_prompts, args.shared_prefix_len, args.random_input_len,
+                                       args.random_output_len, vocab, rng)
+        gaps = arrival_gaps(len(specs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+        results, duration = asyncio.run(run_workload(target, specs, gaps, args.max_concurrency, args.api_key))
+    else:
+        results, duration = asyncio.run(run_conversations(target, args.num_conversations, args.num_turns,
+                                                          args.turn_input_len, args.random_output_len, vocab, rng,
+                                                          args.api_key))
+    after = asyncio.run(_prefix_counters(target, args.api_key))
+    queried, hit = after[0] - before[0], after[1] - before[1]
+    summary = summarize(results, duration, args.percentiles, {})
+    return {"workload": workload, "summary": summary, "hit_rate": hit / queried if queried else 0.0,
+            "queried_tokens": queried, "hit_tokens": hit,
+            "cached_tokens_per_request": [r.cached_tokens for r in results],
+            "requests": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
+
+
+def prefix_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| workload | prefix caching | TTFT median | TTFT p99 | output tok/s | total tok/s | hit rate |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in sorted(rows, key=lambda r: (r["workload"] != "shared-prefix", r["caching"])):
+        s = row["summary"]
+        lines.append(f"| {row['workload']} | {row['caching']} | {s['ttft_ms']['median']:.0f} ms | "
+                     f"{s['ttft_ms']['p99']:.0f} ms | {s['output_throughput']:.0f} | "
+                     f"{s['total_token_throughput']:.0f} | {row['hit_rate']:.1%} |")
+    by = {(r["workload"], r["caching"]): r["summary"]["ttft_ms"]["median"] for r in rows}
+    for workload in ("shared-prefix", "multi-turn"):
+        if by.get((workload, "on")) and (workload, "off") in by:
+            lines.append(f"\n{workload}: median TTFT {by[(workload, 'off')] / by[(workload, 'on')]:.1f}x lower "
+                         "with prefix caching")
+    return "\n".join(lines)
+
+
 def sweep_table(rows: list[dict[str, Any]]) -> str:
     # The long prompts stall ~1% of the short streams' ITL samples, so p99 sits near that edge; the max
     # shows the stall itself.
@@ -343,7 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--max-num-batched-tokens with chunking off (must hold the long prompt)")
     sweep.add_argument("--serve-args", default="--model tiny", help="flags for every `jaxcpp serve`")
     sweep.add_argument("--plot", default=None, help="write the ITL-over-time PNG here")
-    for p in (run, sweep):
+    prefix = sub.add_parser("prefix", help="prefix caching on vs off: shared system prompt and multi-turn chat")
+    prefix.add_argument("--serve-args", default="--model tiny", help="flags for both `jaxcpp serve`")
+    prefix.add_argument("--shared-prefix-len", type=int, default=1024, help="tokens of the shared system prompt")
+    prefix.add_argument("--num-conversations", type=int, default=8)
+    prefix.add_argument("--num-turns", type=int, default=4)
+    prefix.add_argument("--turn-input-len", type=int, default=128, help="tokens of each new user turn")
+    for p in (run, sweep, prefix):
         p.add_argument("--api-key", default=None)
         p.add_argument("--num-prompts", type=int, default=100)
         p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
@@ -364,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--result-file", default=None, help="write the JSON results here")
     run.set_defaults(func=cmd_run)
     sweep.set_defaults(func=cmd_sweep)
+    prefix.set_defaults(func=cmd_prefix)
     return parser
 
 

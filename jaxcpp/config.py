@@ -54,6 +54,8 @@ class CacheConfig:
     num_pages: int | None = opt(None, "KV-cache pages per stage, the reserved page 0 included "
                                 "(default: sized from --kv-cache-memory-gb)")
     kv_cache_memory_gb: float = opt(1.0, "memory for the KV cache when --num-pages is not given")
+    enable_prefix_caching: bool = opt(True, "reuse the KV pages of prompt prefixes computed before "
+                                      "(whole pages, hashed; evicted least-recently-used when pages run out)")
 
     def __post_init__(self) -> None:
         _require(self.page_size >= 1 and (self.page_size & (self.page_size - 1)) == 0, "page_size",

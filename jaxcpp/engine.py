@@ -55,7 +55,8 @@ class LLMEngine:
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.chunking: ChunkSizer = self._build_chunk_sizer()
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.sizing.page_size, self.chunking,
-                                   StopRule(self.sizing.eos_token_ids, self.sizing.max_model_len))
+                                   StopRule(self.sizing.eos_token_ids, self.sizing.max_model_len),
+                                   prefix_caching=config.cache.enable_prefix_caching)
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
@@ -147,6 +148,7 @@ class LLMEngine:
         ticket = self.executor.submit(build_step_input(sched, self.sizing.shape), want_tokens=sched.samples,
                                       want_logits=self.record_logits, ack=sched.ack)
         self._in_flight[-1] = (sched, ticket)
+        self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
 
@@ -175,6 +177,7 @@ class LLMEngine:
         """Every request with a step in flight ends with reason "error"; a fatal error then propagates."""
         log.error("executor failed: %s; failing the requests of %d step(s) in flight", error, len(self._in_flight))
         now, outputs = time.monotonic(), []
+        self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
         while self._in_flight:
             sched, _ = self._in_flight.popleft()
             for chunk in sched.chunks:
@@ -188,7 +191,7 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
                              seq.is_finished, seq.finish_reason, seq.metrics, self._final_text(seq),
-                             logits=seq.logits or None)
+                             logits=seq.logits or None, num_cached_tokens=seq.num_cached_tokens)
 
     def _final_text(self, seq: Sequence) -> str:
         """Detokenize once, at the end; streaming callers use `IncrementalDetokenizer` per step."""
@@ -206,7 +209,11 @@ class LLMEngine:
             num_prompt_tokens_total=self._stats.prompt_tokens_total,
             num_generation_tokens_total=self._stats.generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
-            dynamic_chunking=self.chunking.stats())
+            dynamic_chunking=self.chunking.stats(),
+            num_prefix_cache_queried_tokens_total=self.scheduler.prefix_queried_tokens,
+            num_prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
+            num_pages_cached=self.allocator.num_cached,
+            num_prefix_cache_evictions_total=self.allocator.num_evictions)
 
     def model_info(self) -> ModelInfo:
         c, m = self.config, self.sizing.spec.config

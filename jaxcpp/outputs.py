@@ -42,6 +42,7 @@ class RequestOutput:
     text: str = ""                        # detokenized token_ids, once finished (stream with IncrementalDetokenizer)
     logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
     error: str | None = None              # what failed, when finish_reason is "error"
+    num_cached_tokens: int = 0            # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ class EngineStats:
     num_generation_tokens_total: int
     num_preemptions_total: int
     dynamic_chunking: dict[str, Any] = field(default_factory=dict)  # state and counters, once enabled
+    # Prefix caching: prompt tokens looked up at admission and found (first admissions only), cached
+    # pages (registered, held by nobody; counted in num_pages_free since they are evicted on demand).
+    num_prefix_cache_queried_tokens_total: int = 0
+    num_prefix_cache_hit_tokens_total: int = 0
+    num_pages_cached: int = 0
+    num_prefix_cache_evictions_total: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens since start (0 before any query)."""
+        queried = self.num_prefix_cache_queried_tokens_total
+        return self.num_prefix_cache_hit_tokens_total / queried if queried else 0.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,19 @@ A chunk advances its sequence's `num_computed_tokens` when it is scheduled; the 
 last token samples a token, and the sequence waits for it (`awaiting_token`) before its next step.
 With chunked prefill off a prompt must fit the budget whole and goes in one forward.
 
+Prefix caching (`jaxcpp.page_allocator`, `jaxcpp.prefix_cache`): a request is admitted with the longest
+prefix of whole pages the cache holds already computed, never its last token (whose logits sample the
+next one), so at most (num_tokens - 1) // page_size pages; chunks and the token budget count only the
+rest. A preempted request is admitted the same way and finds its own pages if they were not evicted.
+When may a page be shared? Its K/V is written when the step that computes its last token runs on every
+stage, later than it is scheduled. Each stage runs steps in submission order (its KV pages are donated
+from one step to the next), so a step submitted after the writing step reads the written page on every
+stage. Hence `publish_written_pages(sched)`, called once the step is submitted, registers the pages
+that step fills, and only later steps can look them up: two requests admitted in the same step compute
+their common prefix twice, and the second copy stays private. A request aborted mid-prefill leaves the
+pages of its submitted chunks cached and frees the rest. After a failed step nothing cached can be
+trusted: `forget_cached_pages()`.
+
 `postprocess(sched, result)` is the only place a collected step changes sequences: it appends the
 sampled tokens, stamps the metrics, finishes what hit a stop or its length (freeing the pages), and
 forwards the step's timing and the finished requests to the chunk sizer.
@@ -104,8 +117,10 @@ class StopRule:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 chunk_sizer: ChunkSizer | None = None, stop: StopRule | None = None) -> None:
+                 chunk_sizer: ChunkSizer | None = None, stop: StopRule | None = None,
+                 prefix_caching: bool = False) -> None:
         self.config = config
+        self.prefix_caching = prefix_caching
         self.allocator = allocator
         self.page_size = page_size
         self.chunk_sizer: ChunkSizer = chunk_sizer or FixedChunkSizer()
@@ -114,6 +129,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order: the oldest is preempted last
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
+        self.prefix_hit_tokens = 0            # of those, tokens the cache gave
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -209,22 +226,67 @@ class Scheduler:
                 break
             if not admit and seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            chunk = self._chunk_size(seq, budget_left, out.num_tokens)
-            if chunk == 0:
-                break
             if admit:
-                need = seq.pages_needed(chunk, self.page_size)
-                if not self.allocator.can_allocate(need):
+                chunk = self._admit(seq, budget_left, out.num_tokens)
+                if chunk == 0:
                     break  # new prompts wait for pages rather than evict running work
-                seq.pages += self.allocator.allocate(need)
-                self.waiting.remove(seq)
-                self.running.append(seq)
-                seq.status = SequenceStatus.RUNNING
-            elif not self._make_room(seq, chunk, out):
-                continue
+            else:
+                chunk = self._chunk_size(seq, budget_left, out.num_tokens)
+                if chunk == 0:
+                    break
+                if not self._make_room(seq, chunk, out):
+                    continue
             self._take(out, seq, chunk)
             budget_left -= chunk
         return budget_left
+
+    def _admit(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
+        """Start a waiting sequence from its cached prefix with the pages of its first chunk; returns the
+        chunk, or 0 with nothing changed when no chunk fits the budget or its pages do not fit."""
+        hits = self._cached_prefix(seq)
+        seq.num_computed_tokens = len(hits) * self.page_size  # the chunk sizer plans from here
+        chunk = self._chunk_size(seq, budget_left, step_tokens)
+        need = -(-(seq.num_computed_tokens + chunk) // self.page_size) - len(hits)
+        if chunk == 0 or not self.allocator.can_allocate(need, reusing=hits):
+            seq.num_computed_tokens = 0
+            return 0
+        self.allocator.acquire(hits)
+        seq.pages = hits + self.allocator.allocate(need)
+        seq.num_published_pages = len(hits)
+        seq.admission_prefix = seq.num_computed_tokens
+        if seq.num_preemptions == 0:  # the hit rate counts requests, not their recomputes
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_queried_tokens += len(seq.prompt_token_ids)
+            self.prefix_hit_tokens += seq.num_computed_tokens
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        return chunk
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached pages of the sequence's longest whole-page prefix, leaving its last token to compute."""
+        if not self.prefix_caching:
+            return []
+        return self.allocator.lookup(seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size))
+
+    # ---- the prefix cache ----------------------------------------------------------------------
+    def publish_written_pages(self, sched: SchedulerOutput) -> None:
+        """Register the full pages a step fills, once it is submitted (see the module docstring)."""
+        if not self.prefix_caching:
+            return
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            full = (chunk.start + chunk.num_tokens) // self.page_size
+            if full <= seq.num_published_pages or seq.status is not SequenceStatus.RUNNING:
+                continue  # no page filled up (most decodes), or aborted since
+            hashes = seq.page_hashes(full, self.page_size)
+            for i in range(seq.num_published_pages, full):
+                self.allocator.register(seq.pages[i], hashes[i])
+            seq.num_published_pages = full
+
+    def forget_cached_pages(self) -> None:
+        """Drop the whole prefix cache: a failed step may have left pages it was to write unwritten."""
+        self.allocator.clear_cache()  # surviving sequences' pages stay theirs, no longer shareable
 
     def _chunk_size(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
         if not self.config.enable_chunked_prefill:
@@ -262,7 +324,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self._free_pages(seq)
+        self._free_pages(seq)  # published pages stay cached: re-admission finds them unless evicted
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -273,3 +335,4 @@ class Scheduler:
     def _free_pages(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
         seq.pages = []
+        seq.num_published_pages = 0

@@ -5,6 +5,10 @@ whose K/V a scheduled step will have written; the scheduler advances it when it 
 so the next chunk of the same prompt can enter the pipeline before the previous one has left it.
 A step whose chunk reaches the last token samples one new token; until that token is back the
 sequence is `awaiting_token` and cannot be scheduled again.
+
+With prefix caching a sequence is admitted with its cached prefix already computed: `pages[:n]` were
+found in the cache or published to it (`num_published_pages`), `admission_prefix` is how many tokens
+the cache gave it at its latest admission, `num_cached_tokens` at its first (what it reports).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxcpp.outputs import RequestMetrics
+from jaxcpp.prefix_cache import PageHash, PageHashes
 from jaxcpp.sampling_params import SamplingParams
 
 
@@ -38,6 +43,10 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     logits: list[Any] = field(default_factory=list)  # per sampled token, only when the engine records them
+    num_cached_tokens: int = 0                  # prompt tokens the prefix cache gave at first admission
+    admission_prefix: int = 0                   # tokens the prefix cache gave at the latest admission
+    num_published_pages: int = 0                # pages[:n] are in the prefix cache (found or published)
+    _page_hashes: PageHashes | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +78,12 @@ class Sequence:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len:end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    def page_hashes(self, num_pages: int, page_size: int) -> list[PageHash]:
+        """The chained hashes of the first `num_pages` full pages (computed once, then kept)."""
+        if self._page_hashes is None:
+            self._page_hashes = PageHashes(page_size, self.token_ids)
+        return self._page_hashes.first(num_pages)
 
     def pages_needed(self, num_new_tokens: int, page_size: int) -> int:
         """More pages this sequence needs before `num_new_tokens` more tokens can be written."""

@@ -37,10 +37,12 @@ class StatsLogger:
         prefill_tps = (self.prompt_tokens_total - self._last_prompt) / elapsed
         decode_tps = (self.generation_tokens_total - self._last_generation) / elapsed
         log.info("Engine status: running %d, waiting %d, pages used %d/%d (%.1f%%), prefill %.1f tok/s, "
-                 "decode %.1f tok/s, preemptions %d, compilations since warm-up %d",
+                 "decode %.1f tok/s, preemptions %d, compilations since warm-up %d, prefix cache hit rate "
+                 "%.1f%% (%d pages cached)",
                  s.num_running, s.num_waiting, s.num_pages_used, s.num_pages_total,
                  100.0 * s.num_pages_used / max(1, s.num_pages_total), prefill_tps, decode_tps,
-                 s.num_preemptions_total, s.num_compilations_since_warmup)
+                 s.num_preemptions_total, s.num_compilations_since_warmup, 100.0 * s.prefix_cache_hit_rate,
+                 s.num_pages_cached)
         if chunking_report is not None:
             log.info(chunking_report)
         self._last_time, self._last_prompt, self._last_generation = (

@@ -99,6 +99,7 @@ class Delta:
     num_generated_tokens: int = 0      # last delta only
     ttft_s: float = 0.0                # last delta only: the engine's time to first token
     e2e_s: float = 0.0                 # last delta only: admission to last token
+    num_cached_tokens: int = 0         # last delta only: prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Completion:
     num_generated_tokens: int
     ttft_s: float
     e2e_s: float
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def delta_from_proto(msg: pb.GenerateResponse) -> Delta:
     return Delta(request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
                  finish_reason=_FINISH_REASONS.get(msg.finish_reason),
                  num_prompt_tokens=msg.num_prompt_tokens, num_generated_tokens=msg.num_generated_tokens,
-                 ttft_s=msg.ttft_s, e2e_s=msg.e2e_s)
+                 ttft_s=msg.ttft_s, e2e_s=msg.e2e_s, num_cached_tokens=msg.num_cached_tokens)
 
 
 def _join(deltas: list[Delta]) -> Completion:
@@ -152,7 +154,7 @@ def _join(deltas: list[Delta]) -> Completion:
                       token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
                       num_prompt_tokens=last.num_prompt_tokens,
                       num_generated_tokens=last.num_generated_tokens,
-                      ttft_s=last.ttft_s, e2e_s=last.e2e_s)
+                      ttft_s=last.ttft_s, e2e_s=last.e2e_s, num_cached_tokens=last.num_cached_tokens)
 
 
 def _model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
@@ -171,7 +173,10 @@ def _server_stats(msg: pb.GetServerStatsResponse) -> ServerStats:
         num_compilations_since_warmup=msg.num_compilations_since_warmup,
         num_prompt_tokens_total=msg.num_prompt_tokens_total,
         num_generation_tokens_total=msg.num_generation_tokens_total,
-        num_preemptions_total=msg.num_preemptions_total, dynamic_chunking=dict(msg.dynamic_chunking.values))
+        num_preemptions_total=msg.num_preemptions_total, dynamic_chunking=dict(msg.dynamic_chunking.values),
+        num_prefix_cache_queried_tokens_total=msg.num_prefix_cache_queried_tokens_total,
+        num_prefix_cache_hit_tokens_total=msg.num_prefix_cache_hit_tokens_total,
+        num_pages_cached=msg.num_pages_cached, num_prefix_cache_evictions_total=msg.num_prefix_cache_evictions_total)
     return ServerStats(engine=engine, num_in_flight=msg.num_in_flight, max_queue_size=msg.max_queue_size,
                        uptime_s=msg.uptime_s, dynamic_chunking_labels=dict(msg.dynamic_chunking.labels))
 

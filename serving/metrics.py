@@ -3,7 +3,9 @@
 Latency histograms are observed once per finished request, on the engine thread, from the
 engine's own `RequestMetrics` (TTFT, TPOT, every ITL, end-to-end). Load figures (queue sizes, KV
 pages, compilations, dynamic-chunking state) are read at scrape time from the latest `EngineStats`
-snapshot the engine thread published, so a scrape never touches the engine.
+snapshot the engine thread published, so a scrape never touches the engine; the prefix cache's
+queried and hit tokens and evictions are counters (vLLM's names: prefix_cache_queries/hits), its hit
+rate and cached pages gauges.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class _StatsCollector(Collector):
                                             stats.num_pages_used / max(stats.num_pages_total, 1)),
             "jaxcpp_compilations_since_warmup": ("XLA compilations after warm-up (should stay 0)",
                                                  stats.num_compilations_since_warmup),
+            "jaxcpp_kv_cache_pages_cached": ("KV-cache pages holding a cached prefix nobody holds "
+                                             "(evictable; counted as free)", stats.num_pages_cached),
+            "jaxcpp_prefix_cache_hit_rate": ("prefix-cache hit tokens / queried tokens since start",
+                                             stats.prefix_cache_hit_rate),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -61,6 +67,11 @@ class _StatsCollector(Collector):
             "jaxcpp_prompt_tokens": ("prompt tokens processed", stats.num_prompt_tokens_total),
             "jaxcpp_generation_tokens": ("tokens generated", stats.num_generation_tokens_total),
             "jaxcpp_preemptions": ("requests preempted", stats.num_preemptions_total),
+            "jaxcpp_prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
+                                            stats.num_prefix_cache_queried_tokens_total),
+            "jaxcpp_prefix_cache_hits": ("prompt tokens the prefix cache supplied",
+                                         stats.num_prefix_cache_hit_tokens_total),
+            "jaxcpp_prefix_cache_evictions": ("cached KV pages evicted", stats.num_prefix_cache_evictions_total),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

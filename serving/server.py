@@ -240,7 +240,10 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             num_preemptions_total=s.num_preemptions_total, num_in_flight=len(self._in_flight),
             max_queue_size=self._config.max_queue_size,
             dynamic_chunking=pb.DynamicChunkingStats(values=values, labels=labels),
-            uptime_s=time.monotonic() - self._started)
+            uptime_s=time.monotonic() - self._started,
+            num_prefix_cache_queried_tokens_total=s.num_prefix_cache_queried_tokens_total,
+            num_prefix_cache_hit_tokens_total=s.num_prefix_cache_hit_tokens_total,
+            num_pages_cached=s.num_pages_cached, num_prefix_cache_evictions_total=s.num_prefix_cache_evictions_total)
 
     def _response(self, request_id: str, out: RequestOutput, text: str) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=text)
@@ -252,6 +255,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             response.num_generated_tokens = len(out.token_ids)
             response.ttft_s = m.ttft or 0.0
             response.e2e_s = m.e2e or 0.0
+            response.num_cached_tokens = out.num_cached_tokens
         return response
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:

@@ -6,8 +6,11 @@ Contract (the scheduler calls, in this order each step):
 - `chunk_size_for(request_id, prompt_len, num_computed_tokens, budget_left, step_tokens=0) -> int`: the
   chunk to schedule for that request, never more than `budget_left` (what is left of this step's token
   budget) or the rest of the prompt; pass `single_forward=True` for a prefill that must go in one
-  forward. A chunk it sizes on purpose is cut so that the whole step (`step_tokens` already in it, e.g.
-  decodes, plus the chunk) is a compiled bucket: such a chunk is never padded.
+  forward. `num_computed_tokens` is the prefix L the chunk starts after, a cached prefix included: the
+  policies plan from it (equal-latency's prefix, optimal's plan `start`); `prefill_start` is where
+  this admission began (its cached prefix), so a cache hit still counts as a newly admitted prompt. A
+  chunk it sizes on purpose is cut so that the whole step (`step_tokens` already in it, e.g. decodes,
+  plus the chunk) is a compiled bucket: such a chunk is never padded.
 - `record_timing(num_tokens, prefix, seconds, batch_is_sole_prefill, request_id)`: when a batch's
   forward time is known (the model call only; `num_tokens` is the padded size that ran); ignored
   unless calibrating.
@@ -145,7 +148,7 @@ class DynamicChunkController:
             self._after_calibration()
 
     def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int, budget_left: int,
-                       *, single_forward: bool = False, step_tokens: int = 0) -> int:
+                       *, single_forward: bool = False, step_tokens: int = 0, prefill_start: int = 0) -> int:
         remaining = prompt_len - num_computed_tokens
         fixed = max(min(self.settings.budget, budget_left, remaining), 0)
         if self.state in (ChunkingState.OFF, ChunkingState.GAVE_UP) or remaining <= 0 or single_forward:
@@ -155,16 +158,17 @@ class DynamicChunkController:
             return fixed
         if self.state == ChunkingState.CALIBRATING:
             self._counts["calibration"] += 1
-            chunk = min(self._base_for(request_id, num_computed_tokens), budget_left, remaining)
+            chunk = min(self._base_for(request_id, num_computed_tokens == prefill_start), budget_left, remaining)
         else:
             chunk = self._model_chunk(request_id, prompt_len, num_computed_tokens, budget_left, fixed)
         return self._unpadded(chunk, remaining, step_tokens)
 
     def prefill_chunk(self, seq: Any, budget_left: int, step_tokens: int = 0) -> int:
-        """The `jaxcpp.scheduler.ChunkSizer` form: seq has request_id, num_computed_tokens, num_remaining."""
+        """The `jaxcpp.scheduler.ChunkSizer` form: seq has request_id, num_computed_tokens, num_remaining
+        and (a `jaxcpp.sequence.Sequence`) admission_prefix, the cached prefix it was admitted with."""
         done = seq.num_computed_tokens
         return self.chunk_size_for(seq.request_id, done + seq.num_remaining, done, budget_left,
-                                   step_tokens=step_tokens)
+                                   step_tokens=step_tokens, prefill_start=getattr(seq, "admission_prefix", 0))
 
     def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
                       request_id: Hashable) -> None:
@@ -232,13 +236,14 @@ class DynamicChunkController:
         elif status == "gave_up":
             self._give_up(self.calibrator.give_up_reason or "calibration failed")
 
-    def _base_for(self, request_id: Hashable, num_computed_tokens: int) -> int:
+    def _base_for(self, request_id: Hashable, at_admission: bool) -> int:
         base = self._bases.get(request_id)
         if base is None:
-            # Only a newly admitted prompt alternates; one met mid-prompt keeps the budget.
-            quarter = num_computed_tokens == 0 and self._admitted % 2 == 1
+            # Only a newly admitted prompt alternates (its first chunk, after any cached prefix); one
+            # met mid-prompt keeps the budget.
+            quarter = at_admission and self._admitted % 2 == 1
             base = self.quarter_base if quarter else self.settings.budget
-            self._admitted += num_computed_tokens == 0
+            self._admitted += at_admission
             self._bases[request_id] = base
         return base
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jaxcpp/v1/jaxcpp.proto\x12\tjaxcpp.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x01\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedJ\x04\x08\x08\x10\x10\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jaxcpp.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.jaxcpp.v1.SamplingParametersB\x08\n\x06promptJ\x04\x08\x05\x10\x06R\x06stream\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.jaxcpp.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x06 \x01(\r\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01J\x04\x08\t\x10\x10\"\x15\n\x13GetModelInfoRequest\"\xcf\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\x11\n\tpage_size\x18\x0e \x01(\rJ\x04\x08\x08\x10\tR\nblock_size\"\x17\n\x15GetServerStatsRequest\"\xee\x01\n\x14\x44ynamicChunkingStats\x12;\n\x06values\x18\x01 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.ValuesEntry\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.LabelsEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x93\x03\n\x16GetServerStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0enum_pages_used\x18\x03 \x01(\r\x12\x16\n\x0enum_pages_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_pages_total\x18\x05 \x01(\r\x12%\n\x1dnum_compilations_since_warmup\x18\x06 \x01(\r\x12\x1f\n\x17num_prompt_tokens_total\x18\x07 \x01(\x04\x12#\n\x1bnum_generation_tokens_total\x18\x08 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\t \x01(\x04\x12\x15\n\rnum_in_flight\x18\n \x01(\r\x12\x16\n\x0emax_queue_size\x18\x0b \x01(\r\x12\x39\n\x10\x64ynamic_chunking\x18\x0c \x01(\x0b\x32\x1f.jaxcpp.v1.DynamicChunkingStats\x12\x10\n\x08uptime_s\x18\r \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x01\n\rJaxcppService\x12\x45\n\x08Generate\x12\x1a.jaxcpp.v1.GenerateRequest\x1a\x1b.jaxcpp.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.jaxcpp.v1.GetModelInfoRequest\x1a\x1f.jaxcpp.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jaxcpp.v1.GetServerStatsRequest\x1a!.jaxcpp.v1.GetServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jaxcpp/v1/jaxcpp.proto\x12\tjaxcpp.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x01\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedJ\x04\x08\x08\x10\x10\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jaxcpp.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.jaxcpp.v1.SamplingParametersB\x08\n\x06promptJ\x04\x08\x05\x10\x06R\x06stream\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.jaxcpp.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x06 \x01(\r\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x10 \x01(\rJ\x04\x08\t\x10\x10\"\x15\n\x13GetModelInfoRequest\"\xcf\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\x11\n\tpage_size\x18\x0e \x01(\rJ\x04\x08\x08\x10\tR\nblock_size\"\x17\n\x15GetServerStatsRequest\"\xee\x01\n\x14\x44ynamicChunkingStats\x12;\n\x06values\x18\x01 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.ValuesEntry\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.LabelsEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x04\n\x16GetServerStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0enum_pages_used\x18\x03 \x01(\r\x12\x16\n\x0enum_pages_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_pages_total\x18\x05 \x01(\r\x12%\n\x1dnum_compilations_since_warmup\x18\x06 \x01(\r\x12\x1f\n\x17num_prompt_tokens_total\x18\x07 \x01(\x04\x12#\n\x1bnum_generation_tokens_total\x18\x08 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\t \x01(\x04\x12\x15\n\rnum_in_flight\x18\n \x01(\r\x12\x16\n\x0emax_queue_size\x18\x0b \x01(\r\x12\x39\n\x10\x64ynamic_chunking\x18\x0c \x01(\x0b\x32\x1f.jaxcpp.v1.DynamicChunkingStats\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12-\n%num_prefix_cache_queried_tokens_total\x18\x0e \x01(\x04\x12)\n!num_prefix_cache_hit_tokens_total\x18\x0f \x01(\x04\x12\x18\n\x10num_pages_cached\x18\x10 \x01(\r\x12(\n num_prefix_cache_evictions_total\x18\x11 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x01\n\rJaxcppService\x12\x45\n\x08Generate\x12\x1a.jaxcpp.v1.GenerateRequest\x1a\x1b.jaxcpp.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.jaxcpp.v1.GetModelInfoRequest\x1a\x1f.jaxcpp.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jaxcpp.v1.GetServerStatsRequest\x1a!.jaxcpp.v1.GetServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._loaded_options = None
   _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1725
-  _globals['_FINISHREASON']._serialized_end=1845
+  _globals['_FINISHREASON']._serialized_start=1910
+  _globals['_FINISHREASON']._serialized_end=2030
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMETERS']._serialized_start=63
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=306
   _globals['_GENERATEREQUEST']._serialized_end=474
   _globals['_GENERATERESPONSE']._serialized_start=477
-  _globals['_GENERATERESPONSE']._serialized_end=690
-  _globals['_GETMODELINFOREQUEST']._serialized_start=692
-  _globals['_GETMODELINFOREQUEST']._serialized_end=713
-  _globals['_GETMODELINFORESPONSE']._serialized_start=716
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1051
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1053
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1076
-  _globals['_DYNAMICCHUNKINGSTATS']._serialized_start=1079
-  _globals['_DYNAMICCHUNKINGSTATS']._serialized_end=1317
-  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_start=1225
-  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_end=1270
-  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_start=1272
-  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_end=1317
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1320
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1723
-  _globals['_JAXCPPSERVICE']._serialized_start=1848
-  _globals['_JAXCPPSERVICE']._serialized_end=2102
+  _globals['_GENERATERESPONSE']._serialized_end=717
+  _globals['_GETMODELINFOREQUEST']._serialized_start=719
+  _globals['_GETMODELINFOREQUEST']._serialized_end=740
+  _globals['_GETMODELINFORESPONSE']._serialized_start=743
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1078
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1080
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1103
+  _globals['_DYNAMICCHUNKINGSTATS']._serialized_start=1106
+  _globals['_DYNAMICCHUNKINGSTATS']._serialized_end=1344
+  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_start=1252
+  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_end=1297
+  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_start=1299
+  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_end=1344
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1347
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1908
+  _globals['_JAXCPPSERVICE']._serialized_start=2033
+  _globals['_JAXCPPSERVICE']._serialized_end=2287
 # @@protoc_insertion_point(module_scope)

@@ -55,7 +55,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "ttft_s", "e2e_s")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "ttft_s", "e2e_s", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerateResponse(_message.Message):
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -72,7 +73,8 @@ class GenerateResponse(_message.Message):
     num_generated_tokens: int
     ttft_s: float
     e2e_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -135,7 +137,7 @@ class DynamicChunkingStats(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_pages_used", "num_pages_free", "num_pages_total", "num_compilations_since_warmup", "num_prompt_tokens_total", "num_generation_tokens_total", "num_preemptions_total", "num_in_flight", "max_queue_size", "dynamic_chunking", "uptime_s")
+    __slots__ = ("num_running", "num_waiting", "num_pages_used", "num_pages_free", "num_pages_total", "num_compilations_since_warmup", "num_prompt_tokens_total", "num_generation_tokens_total", "num_preemptions_total", "num_in_flight", "max_queue_size", "dynamic_chunking", "uptime_s", "num_prefix_cache_queried_tokens_total", "num_prefix_cache_hit_tokens_total", "num_pages_cached", "num_prefix_cache_evictions_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,10 @@ class GetServerStatsResponse(_message.Message):
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_CHUNKING_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_QUERIED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHE_EVICTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_pages_used: int
@@ -162,4 +168,8 @@ class GetServerStatsResponse(_message.Message):
     max_queue_size: int
     dynamic_chunking: DynamicChunkingStats
     uptime_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pages_used: _Optional[int] = ..., num_pages_free: _Optional[int] = ..., num_pages_total: _Optional[int] = ..., num_compilations_since_warmup: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., dynamic_chunking: _Optional[_Union[DynamicChunkingStats, _Mapping]] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    num_prefix_cache_queried_tokens_total: int
+    num_prefix_cache_hit_tokens_total: int
+    num_pages_cached: int
+    num_prefix_cache_evictions_total: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pages_used: _Optional[int] = ..., num_pages_free: _Optional[int] = ..., num_pages_total: _Optional[int] = ..., num_compilations_since_warmup: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., dynamic_chunking: _Optional[_Union[DynamicChunkingStats, _Mapping]] = ..., uptime_s: _Optional[float] = ..., num_prefix_cache_queried_tokens_total: _Optional[int] = ..., num_prefix_cache_hit_tokens_total: _Optional[int] = ..., num_pages_cached: _Optional[int] = ..., num_prefix_cache_evictions_total: _Optional[int] = ...) -> None: ...
