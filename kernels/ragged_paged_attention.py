@@ -7,8 +7,7 @@ pages `[num_pages, page_size, num_kv_heads, head_dim]` addressed by `page_indice
 This file holds, as JAX's own Pallas ops do, the Pallas kernel, its wrapper (input checks, layout), the
 jitted API `ragged_paged_attention`, the pure-JAX reference (every token gathers its own sequence's
 pages: simple, the correctness yardstick), the pure-JAX XLA path `ragged_paged_attention_xla` (the CPU
-"xla" backend of the engine: decodes over their real pages laid end to end, prefill in the kernel's
-query-block structure, both in batched XLA ops, see its section) and
+"xla" backend of the engine: the kernel's query-block structure in batched XLA ops, see its section) and
 the op that writes a step's new K/V into the pages (kept separate: the kernel only reads pages).
 
 The kernel. Grid = (query blocks of `block_q` tokens, KV heads). One program owns the
@@ -365,8 +364,6 @@ def ragged_paged_attention(
 
 DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill part
 DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
-# KV positions per step of the decode part, over all decodes' pages end to end (CPU: 2048 ~ 1024 > one shot)
-DEFAULT_XLA_DECODE_BLOCK_TOKENS = 2048
 
 
 def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: int):
@@ -432,64 +429,6 @@ def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: i
     return out[:num_tokens]
 
 
-def _flat_decode_pages(kv_visible: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
-    """The decode rows' pages laid end to end (row-major): where each row's run starts and ends."""
-    used = (kv_visible + page_size - 1) // page_size  # pages each row really reads (0: not a decode)
-    ends = jnp.cumsum(used).astype(jnp.int32)
-    return ends - used, ends
-
-
-def _fold_flat_pages(state, slots, qg, k_pages, v_pages, page_indices, kv_visible, starts, ends):
-    """Fold `slots` (indices into the flat page list) into every row's online softmax at once.
-
-    A slot's row is found by searching the runs' ends; its scores are masked by the row's length, and the
-    per-row max, denominator and P.V sums are segment reductions over the (sorted) rows.
-    """
-    m, denom, acc = state
-    num_rows, pages_per_seq = page_indices.shape
-    page_size = k_pages.shape[1]
-    row = jnp.minimum(jnp.searchsorted(ends, slots, side="right"), num_rows - 1).astype(jnp.int32)
-    page_of_row = jnp.clip(slots - starts[row], 0, pages_per_seq - 1)
-    real = slots < ends[-1]
-    page = jnp.where(real, page_indices[row, page_of_row], 0)
-    k = k_pages[page].astype(jnp.float32)  # [B, page_size, kv_heads, head_dim]
-    v = v_pages[page].astype(jnp.float32)
-    position = page_of_row[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
-    mask = (real[:, None] & (position < kv_visible[row][:, None]))[:, None, None, :]  # [B, 1, 1, page_size]
-    scores = jnp.where(mask, jnp.einsum("bkgd,bskd->bkgs", qg[row], k), MASK_VALUE)
-    segment = dict(segment_ids=row, num_segments=num_rows, indices_are_sorted=True)
-    m_new = jnp.maximum(m, jax.ops.segment_max(scores.max(axis=-1), **segment))  # absent rows: -inf
-    correction = jnp.exp(m - m_new)
-    p = jnp.where(mask, jnp.exp(scores - m_new[row][..., None]), 0.0)
-    denom = denom * correction + jax.ops.segment_sum(p.sum(axis=-1), **segment)
-    pv = jax.ops.segment_sum(jnp.einsum("bkgs,bskd->bkgd", p, v), **segment)
-    return m_new, denom, acc * correction[..., None] + pv
-
-
-def _decode_attention(qg, k_pages, v_pages, page_indices, kv_visible, *, block_pages: int):
-    """Decode rows, all at once over their real pages only: cost follows the sum of their contexts.
-
-    qg: [N, kv_heads, group, head_dim] fp32, scaled; page_indices: [N, P]; kv_visible: [N] (0: the row
-    is no decode and comes out 0). The pages every decode reads are laid end to end and taken
-    `block_pages` at a time (the trip count is total decode pages / block_pages, data not shape), so
-    neither non-decode rows nor pages past a row's length are gathered, unlike a [N, max context] tile.
-    """
-    starts, ends = _flat_decode_pages(kv_visible, k_pages.shape[1])
-    offsets = jnp.arange(block_pages, dtype=jnp.int32)
-
-    def body(state):
-        i, *softmax = state
-        return (i + 1, *_fold_flat_pages(softmax, i * block_pages + offsets, qg, k_pages, v_pages,
-                                         page_indices, kv_visible, starts, ends))
-
-    stats = qg.shape[:3]
-    init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros(qg.shape, jnp.float32))
-    num_blocks = (ends[-1] + block_pages - 1) // block_pages
-    _, _, denom, acc = lax.while_loop(lambda s: s[0] < num_blocks, body, init)
-    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-
-
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -499,14 +438,12 @@ def ragged_paged_attention_xla(
     sm_scale: float | None = None,
     block_q: int = DEFAULT_XLA_BLOCK_Q,
     kv_block_tokens: int = DEFAULT_XLA_KV_BLOCK_TOKENS,
-    decode_block_tokens: int = DEFAULT_XLA_DECODE_BLOCK_TOKENS,
 ) -> jax.Array:  # [T, num_heads, head_dim]
     """The reference's contract and math, with prefill KV gathered once per query block: the CPU path.
 
-    Decodes (the first `num_decodes` tokens) go through `_decode_attention`: all decodes' real pages end
-    to end, `decode_block_tokens` KV positions per step; prefill tokens go through `_prefill_attention`.
-    Each token belongs to exactly one part and the other gives it 0. All loop bounds are data: a new
-    decode/prefill mix compiles nothing.
+    Decodes (the first `num_decodes` tokens) take the reference's per-token gather, restricted to the
+    first S tokens; prefill tokens go through `_prefill_attention`. Each token belongs to exactly one part
+    and the other gives it 0. All loop bounds are data: a new decode/prefill mix compiles nothing.
     """
     num_tokens = q.shape[0]
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -517,8 +454,8 @@ def ragged_paged_attention_xla(
     # Decodes: the first S tokens, each its own sequence (token i is sequence i); the rest see nothing.
     n = min(md.kv_lens.shape[0], num_tokens)
     kv_visible = jnp.where(jnp.arange(n) < md.num_decodes, md.kv_lens[:n], 0)
-    decode = _decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible,
-                               block_pages=max(1, decode_block_tokens // page_size))
+    decode = _per_token_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible,
+                                  block_pages=block_pages)
     prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages)
     out = prefill.at[:n].add(decode)  # disjoint: each part gives the other's tokens 0
     return out.reshape(q.shape).astype(q.dtype)

@@ -1,6 +1,6 @@
 """The XLA (CPU) attention path against the reference: every layout the metadata contract allows.
 
-`ragged_paged_attention_xla` splits a batch into decodes (all their real pages end to end) and prefill tokens
+`ragged_paged_attention_xla` splits a batch into decodes (per-token page gathers) and prefill tokens
 (query blocks that gather each touched sequence's pages once), so the mixes below aim at the seams:
 decodes next to prefill tokens in one block, many short prefills in one block, a chunk straddling blocks,
 padding tokens, empty and long cached prefixes. Every mix of one configuration has the same shapes, so a
@@ -91,23 +91,3 @@ def test_a_new_mix_compiles_nothing():
     for mix in ("decode_only", "prefill_only", "mixed", "all_padding"):
         f(*make_batch(mix, page_size=16, group=4, dtype=jnp.float32)).block_until_ready()
         assert f._cache_size() == 1, mix
-
-
-def test_ragged_decodes_of_every_count_and_length_share_one_program():
-    """Decode count and contexts vary step to step (some decodes next to prefill chunks, one decode of
-    the whole table): the flat page list must cut runs at the right rows, also across the decode part's
-    block of pages, and never recompile."""
-    rng = np.random.default_rng(7)
-    xla = jax.jit(functools.partial(ragged_paged_attention_xla, decode_block_tokens=64))  # 4 pages a block
-    reference = jax.jit(ragged_paged_attention_reference)
-    for num_decodes in (1, 3, 17, NUM_SEQS):
-        prefixes = [int(p) for p in rng.integers(0, MAX_KV_LEN - 1, num_decodes)]
-        prefixes[0] = MAX_KV_LEN - 1  # one decode reads its whole page table
-        q_lens = [1] * num_decodes + ([9, 30] if num_decodes < NUM_SEQS - 2 else [])
-        prefixes += [40, 0][: len(q_lens) - num_decodes]
-        batch = ragged_batch(q_lens, prefixes, num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, max_kv_len=MAX_KV_LEN,
-                             num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, page_size=16, group=4,
-                             dtype=jnp.float32, seed=num_decodes)
-        err = max_error(xla(*batch), reference(*batch))
-        assert err <= TOLERANCE[jnp.float32], f"{num_decodes} decodes: max error {err}"
-    assert xla._cache_size() == 1
