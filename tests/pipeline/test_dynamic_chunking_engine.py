@@ -11,8 +11,10 @@ from jaxcpp.chunking.latency_model import LatencyModel
 
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(3, 250, 1500)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# The same prompt is sent again and again: without the prefix cache, so every run prefills it from 0.
 FLAGS = dict(model="tiny", dtype="float32", max_model_len=2048, max_num_batched_tokens=512,
-             pipeline_parallel_size=2, log_stats_interval_s=0, record_logits=True, num_pages=300)
+             pipeline_parallel_size=2, log_stats_interval_s=0, record_logits=True, num_pages=300,
+             enable_prefix_caching=False)
 
 
 def record_chunks(llm: LLM) -> list[list[int]]:
