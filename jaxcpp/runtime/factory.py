@@ -12,6 +12,7 @@ import os
 import jax
 
 from jaxcpp.config import EngineConfig
+from jaxcpp.executor import Executor
 from jaxcpp.kernels.backend import select_attention
 from jaxcpp.models.checkpoint import load_stage_params
 from jaxcpp.runtime.mesh import make_mesh, stage_mesh
@@ -25,14 +26,23 @@ log = logging.getLogger(__name__)
 def enable_compilation_cache() -> None:
     """A persistent XLA cache makes restarts (and repeated test engines) skip compiles."""
     path = os.environ.get("JAXCPP_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxcpp/xla"))
-    if path and not jax.config.read("jax_compilation_cache_dir"):
+    if path and not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def build_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:
-    """P stages (P = 1 is the single-device case), each loading only its layers from the checkpoint."""
+def build_executor(config: EngineConfig, sizing: EngineSizing) -> Executor:
+    """`--distributed-executor-backend mp`: one process per stage (`MultiProcessExecutor`); otherwise
+    P stages in this process (P = 1 is the single-device case). Each stage loads only its layers."""
+    if config.parallel.executor_backend == "mp":
+        from jaxcpp.runtime.mp_executor import MultiProcessExecutor
+
+        return MultiProcessExecutor(config, sizing)
+    return build_inproc_executor(config, sizing)
+
+
+def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:
     enable_compilation_cache()
     attention_fn = select_attention(config.model.attention_backend)
     p = config.parallel
