@@ -39,6 +39,7 @@ from grpc_reflection.v1alpha import reflection
 import jaxcpp
 from jaxcpp.config import ServerConfig
 from jaxcpp.errors import InvalidRequestError
+from jaxcpp.executor import ExecutorError
 from jaxcpp.outputs import ModelInfo, RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop
@@ -136,7 +137,10 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out!r}")
+                    # a failed pipeline stage is the server's loss, not the request's: retry elsewhere
+                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out, ExecutorError) else grpc.StatusCode.INTERNAL
+                    await context.abort(code, f"engine failed: {out}" if isinstance(out, ExecutorError)
+                                        else f"engine failed: {out!r}")
                 finished = out.finished
                 yield self._response(request_id, out, text_of(out))
         except InvalidRequestError as exc:  # the engine refused it: nothing to abort
@@ -286,11 +290,14 @@ class Server:
         self._gate = _WarmUpGate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
+        self.failure: BaseException | None = None   # the engine's (or its executor's) fatal error
+        self._failed: asyncio.Event | None = None
 
     async def start(self) -> int:
         """Start the server (and the engine thread, if given an engine); returns the bound port."""
         cfg = self.config
         self._loop = asyncio.get_running_loop()
+        self._failed = asyncio.Event()
         interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
         interceptors.append(self._gate)
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -339,6 +346,9 @@ class Server:
     async def attach_engine(self, engine: Engine) -> None:
         """Start the engine thread on `engine`, open the service and turn health SERVING."""
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
+        listen = getattr(getattr(engine, "executor", None), "add_failure_listener", None)
+        if listen is not None:  # a stage process that dies while the engine idles is noticed too
+            listen(self._on_engine_failure)
         self.engine_loop.start()
         model_info = await asyncio.wrap_future(self.engine_loop.submit(engine.model_info))
         self.servicer.attach(self.engine_loop, model_info)
@@ -371,9 +381,16 @@ class Server:
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    def _on_engine_failure(self, exc: BaseException) -> None:  # engine thread
+    def _on_engine_failure(self, exc: BaseException) -> None:  # engine thread (or an executor's)
+        self.failure = self.failure or exc
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self._loop)
+            if self._failed is not None:
+                self._loop.call_soon_threadsafe(self._failed.set)
+
+    async def wait_for_failure(self) -> None:
+        assert self._failed is not None, "start() first"
+        await self._failed.wait()
 
 
 class ServerThread:
@@ -419,8 +436,9 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
                 on_listening: Callable[[Server], None] | None = None) -> int:
     """Listen (health NOT_SERVING), build the engine, serve it until SIGTERM or SIGINT, then drain.
 
-    Returns the exit code: 0, also for a signal during warm-up (nothing to drain then). An engine that
-    fails to build stops the server and raises.
+    Returns the exit code: 0, also for a signal during warm-up (nothing to drain then); 1 when the
+    engine failed while serving (e.g. a pipeline stage process died). An engine that fails to build
+    stops the server and raises.
     """
     import signal
 
@@ -446,7 +464,14 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
         building.result()  # raises the factory's error
     if on_ready is not None:
         on_ready(server)
-    await stopping
+    failed = asyncio.ensure_future(server.wait_for_failure())
+    await asyncio.wait((stopping, failed), return_when=asyncio.FIRST_COMPLETED)
+    if failed.done() and not stopping.done():  # exit non-zero so that an orchestrator restarts the group
+        log.error("engine failed: %s; stopping (exit 1)", server.failure)
+        stopping.cancel()
+        await server.stop(0)
+        return 1
+    failed.cancel()
     log.info("shutting down: %d requests in flight, %.1f s grace", server.servicer.num_in_flight,
              config.shutdown_grace_s)
     await server.stop()

@@ -106,6 +106,7 @@ class MultiProcessExecutor:
         self._sizing = sizing
         self._lock = threading.Condition()
         self._failure: ExecutorError | None = None
+        self._failure_listeners: list[Any] = []
         self._closed = False
         self._pending: collections.deque[_Pending] = collections.deque()
         self._results: dict[int, tuple[dict[str, Any], list[Any]]] = {}
@@ -292,10 +293,14 @@ class MultiProcessExecutor:
 
     def _fail(self, error: ExecutorError) -> None:
         with self._lock:
-            if self._failure is None:
+            first = self._failure is None
+            if first:
                 self._failure = error
                 log.error("pipeline failed: %s", error)
             self._lock.notify_all()
+        if first:
+            for listener in list(self._failure_listeners):
+                listener(error)
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -399,6 +404,13 @@ class MultiProcessExecutor:
     @property
     def failure(self) -> ExecutorError | None:
         return self._failure
+
+    def add_failure_listener(self, callback: Any) -> None:
+        """`callback(error)` once, from a reader thread, when a stage fails: the server turns
+        NOT_SERVING even while the engine idles (no step would otherwise see the failure)."""
+        self._failure_listeners.append(callback)
+        if self._failure is not None:
+            callback(self._failure)
 
     def stage_pids(self) -> list[int | None]:
         return [ln.pid for ln in self.links]

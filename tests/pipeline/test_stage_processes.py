@@ -13,7 +13,6 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 from jaxcpp import LLM, SamplingParams
@@ -209,3 +208,58 @@ def test_lws_environment_fills_the_distributed_flags(monkeypatch):
     assert p.executor_backend == "mp" and p.is_multi_host
     monkeypatch.setenv("JAX_PROCESS_ID", "2")  # JAX's own variables win
     assert ParallelConfig(pipeline_parallel_size=4).process_id == 2
+
+
+def _serve_mp(model: str, tmp_path) -> tuple[subprocess.Popen, str, list[int]]:
+    """`jaxcpp serve` with two stage processes; its address and the stage pids (its children)."""
+    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", model, "--port", "0",
+           "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "64",
+           "--max-num-seqs", "8", "--log-stats-interval-s", "0", "--pipeline-parallel-size", "2",
+           "--distributed-executor-backend", "mp", "--shutdown-grace-s", "5", "--log-level", "warning"]
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert line.startswith("jaxcpp: serving"), (line, log.read_text())
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    return proc, line.split(" on ")[1].split()[0], children
+
+
+def test_serve_exits_nonzero_when_a_stage_dies(random_model, tmp_path):
+    import grpc
+
+    from jaxcpp.serving import Client
+
+    proc, target, stages = _serve_mp(random_model, tmp_path)
+    try:
+        assert len(stages) == 2
+        with Client(target, timeout=60) as client:
+            assert client.health() == "SERVING"
+            assert client.generate([3, 4, 5], max_tokens=4, temperature=0).num_generated_tokens == 4
+            os.kill(stages[1], signal.SIGKILL)  # idle: no step would see it; the executor tells the server
+            deadline, health = time.monotonic() + 2, "SERVING"
+            while time.monotonic() < deadline and health == "SERVING":
+                try:
+                    health = client.health()
+                except grpc.RpcError:
+                    health = "GONE"
+                time.sleep(0.05)
+            assert health != "SERVING", "health still SERVING 2 s after a stage died"
+        assert proc.wait(timeout=60) == 1, "an orchestrator must see the failure and restart the group"
+        assert wait_gone(stages, 10) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_sigterm_drains_then_stops_the_stages(random_model, tmp_path):
+    proc, target, stages = _serve_mp(random_model, tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert wait_gone(stages, 10) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
