@@ -13,8 +13,9 @@ a temporary folder. Every stage process is pinned to its own core with single-th
                that --max-num-batched-tokens), then on one dynamic-chunking engine (calibrated from the
                stage processes' runtime timings; the log lines are printed) equal-latency and optimal;
                each beside `predicted_ttft` of the chunks the engine really scheduled, from the installed model
-    hostcost   a small model (hidden 64, 8 layers, 64-token steps): head submit -> stage received
-               (control channel) and producer done -> consumer inputs ready (activation hop) at P = 2, 4
+    hostcost   a small model (hidden 64, 8 layers, 64-token steps): head submit -> stage received, where
+               the stage was already waiting (control channel), and max(producer done, consumer's pull
+               start) -> consumer inputs ready (activation hop: await_pull + pull), at P = 2 and 4
 """
 
 from __future__ import annotations
@@ -163,11 +164,12 @@ def part_hostcost(args: argparse.Namespace) -> dict:
         by_id: dict[int, dict[int, dict]] = {}
         for p in probes:
             by_id.setdefault(p["id"], {})[p["stage"]] = p
-        control = [p["received"] - p["submitted"] for p in probes]
+        # only where the stage was already waiting when the head sent: otherwise it is queueing
+        control = [p["received"] - p["submitted"] for p in probes if p["idle_since"] < p["submitted"]]
         hops = [m[s]["inputs_ready"] - max(m[s]["pull_start"], m[s - 1]["done"])
                 for m in by_id.values() for s in range(1, pp) if s in m and s - 1 in m]
         out[pp] = {"control_us": statistics.median(control) * 1e6, "hop_us": statistics.median(hops) * 1e6,
-                   "n": len(by_id)}
+                   "n": len(by_id), "n_control": len(control), "n_hops": len(hops)}
         llm.engine.close()
     return out
 
@@ -224,7 +226,7 @@ def main() -> None:
         res = run_part("hostcost", args, [], pin_self=False)
         for pp, r in res.items():
             print(f"host cost P={pp}: control channel {r['control_us']:.0f} us, activation hop {r['hop_us']:.0f} us "
-                  f"(medians over {r['n']} micro-batches)")
+                  f"(medians over {r['n_control']} idle-stage receipts and {r['n_hops']} hops, {r['n']} micro-batches)")
     print(f"load after: {os.getloadavg()}")
 
 

@@ -179,6 +179,7 @@ class MultiProcessExecutor:
                 conn = accepted.get(timeout=0.2)
             except queue.Empty:
                 continue
+            wire.no_delay(conn)
             hello, _ = wire.recv(conn)
             s = hello.get("stage")
             if s not in waiting:
@@ -275,8 +276,8 @@ class MultiProcessExecutor:
             submitted = self._submit_times.get(ticket, float("nan"))
             timing = StageTiming(ticket, ln.index, h["num_tokens"], self._traced, submitted, h["inputs_ready"] + off,
                                  h["start"] + off, h["done"] + off)
-            self._probes.append({**h, **{k: h[k] + off for k in ("received", "pull_start", "inputs_ready",
-                                                               "start", "done")}, "submitted": submitted})
+            local = ("idle_since", "received", "pull_start", "inputs_ready", "start", "done")
+            self._probes.append({**h, **{k: h[k] + off for k in local}, "submitted": submitted})
             parts = self._partial.setdefault(ticket, {})
             parts[ln.index] = timing
             if len(parts) < self.num_stages:
@@ -420,7 +421,8 @@ class MultiProcessExecutor:
             return list(self._history)
 
     def probes(self) -> list[dict[str, Any]]:
-        """Raw per-stage records on the head's clock: submitted, received, pull_start, inputs_ready, done."""
+        """Raw per-stage records on the head's clock: submitted (by the head), idle_since (the stage began
+        waiting for this message), received, pull_start, inputs_ready, done."""
         with self._lock:
             return list(self._probes)
 

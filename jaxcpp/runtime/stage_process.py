@@ -106,6 +106,7 @@ def serve_stage(control: str, stage: int, *, parent_pid: int | None = None) -> i
     if parent_pid is not None:
         watch_parent(parent_pid)
     conn = connect((host, int(port)), control_key(), parent_pid)
+    wire.no_delay(conn)
     wire.send(conn, {"op": "hello", "stage": stage, "pid": os.getpid(), "host": socket.gethostname(),
                      "clock": time.perf_counter()})
     setup, _ = wire.recv(conn)
@@ -150,6 +151,7 @@ class StageWorker:
             self._prev = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{index - 1}",
                                                                         300_000))
         self._attention_free_ready: set[int] = set()
+        self._idle_since = 0.0
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
                          "layers": list(self.stage.layers)})
 
@@ -164,6 +166,7 @@ class StageWorker:
     def loop(self) -> int:
         handlers = {"step": self._step, "warmup": self._warmup, "attention_free": self._attention_free}
         while True:
+            self._idle_since = time.perf_counter()  # waiting for the head: what follows is channel latency
             try:
                 header, arrays = wire.recv(self.conn)
             except (EOFError, OSError):
@@ -195,7 +198,8 @@ class StageWorker:
         jax.block_until_ready(out)
         done = time.perf_counter()
         self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
-                              "received": received, "pull_start": pull_start, "inputs_ready": inputs_ready,
+                              "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
+                              "inputs_ready": inputs_ready,
                               "start": inputs_ready, "done": done})
         if not self.stage.is_last:
             self._server.await_pull(ticket, out)

@@ -1,6 +1,6 @@
 """Messages on a stage process's control channel: a JSON header plus raw numpy buffers. No pickle.
 
-    send(conn, {"op": "step", "id": 7, ...}, [packed])     # header, then one frame per array
+    send(conn, {"op": "step", "id": 7, ...}, [packed])     # one frame: header + the arrays' bytes
     header, arrays = recv(conn)
 
 `conn` is a `multiprocessing.connection.Connection` (a TCP socket, authenticated with an HMAC
@@ -12,23 +12,39 @@ the header; a few KB per step (the packed StepInput), or the tokens and logits c
 from __future__ import annotations
 
 import json
+import socket
+import struct
 from typing import Any
 
 import numpy as np
 
+_LEN = struct.Struct("<I")
+
+
+def no_delay(conn: Any) -> None:
+    """Small control messages must not wait for Nagle's algorithm and a delayed ACK (~40 ms each)."""
+    sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a dup: same socket
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
+
 
 def send(conn: Any, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
+    """One frame: header length, JSON header (with each array's dtype and shape), the arrays' bytes."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    header = {**header, "_arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
-    conn.send_bytes(json.dumps(header).encode())
-    for a in arrays:
-        conn.send_bytes(memoryview(a).cast("B") if a.size else b"")
+    head = json.dumps({**header, "_arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}).encode()
+    conn.send_bytes(b"".join([_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays)]))
 
 
 def recv(conn: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
-    header = json.loads(conn.recv_bytes())
-    arrays = []
+    frame = conn.recv_bytes()
+    (n,) = _LEN.unpack_from(frame)
+    header = json.loads(frame[_LEN.size:_LEN.size + n])
+    offset, arrays = _LEN.size + n, []
     for dtype, shape in header.pop("_arrays"):
-        data = conn.recv_bytes()
-        arrays.append(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape))
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays.append(np.frombuffer(frame, dtype=dt, count=count, offset=offset).reshape(shape))
+        offset += count * dt.itemsize
     return header, arrays
