@@ -45,6 +45,6 @@ def recv(conn: Any) -> tuple[dict[str, Any], list[np.ndarray]]:
     for dtype, shape in header.pop("_arrays"):
         dt = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64))
-        arrays.append(np.frombuffer(frame, dtype=dt, count=count, offset=offset).reshape(shape))
+        arrays.append(np.frombuffer(frame, dtype=dt, count=count, offset=offset).reshape(tuple(shape)))
         offset += count * dt.itemsize
     return header, arrays
