@@ -32,7 +32,7 @@ def no_delay(conn: Any) -> None:
 
 def send(conn: Any, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
     """One frame: header length, JSON header (with each array's dtype and shape), the arrays' bytes."""
-    arrays = [np.ascontiguousarray(a) for a in arrays]
+    arrays = [np.asarray(a) for a in arrays]  # tobytes() below is C order (ascontiguousarray would make 0-d 1-d)
     head = json.dumps({**header, "_arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}).encode()
     conn.send_bytes(b"".join([_LEN.pack(len(head)), head, *(a.tobytes() for a in arrays)]))
 
