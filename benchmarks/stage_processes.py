@@ -113,7 +113,7 @@ def part_ttft(args: argparse.Namespace) -> dict:
                 distributed_executor_backend="mp")
     rows = []
     dyn = engine(args.model, max_num_batched_tokens=args.budget, enable_dynamic_chunking=True,
-                 dynamic_chunking_min_chunk_size=max(64, args.budget // 8), **base)
+                 dynamic_chunking_min_chunk_size=max(64, args.budget // 8), trace_file=args.trace, **base)
     ctl = dyn.engine.chunking
     for i in range(12):  # runtime calibration: sole prefills alternate base chunks budget and budget/4
         if ctl.state != "calibrating":
@@ -131,10 +131,14 @@ def part_ttft(args: argparse.Namespace) -> dict:
         times, chunks = [], []
         for _ in range(args.reps):
             seen.clear()
+            first_ticket = dyn.engine.executor._next_ticket
             times.append(ttft_of(dyn, long))
             chunks = list(seen)
         rows.append({"policy": policy, "chunks": chunks, "measured": times,
                      "predicted": predicted_ttft(model, chunks, 2, weights)})
+        if policy == "equal-latency" and args.png:
+            last = [t for t in dyn.engine.executor.timings() if t.ticket >= first_ticket]
+            plot_measured_vs_predicted(last, model, chunks, weights, args.png)
     dyn.engine.close()
     for div in (1, 2, 4):
         budget = args.budget // div
@@ -149,6 +153,31 @@ def part_ttft(args: argparse.Namespace) -> dict:
                      "predicted": predicted_ttft(model, list(seen), 2, weights)})
         llm.engine.close()
     return {"state": str(ctl.state), "model": model.describe(), "rows": rows}
+
+
+def plot_measured_vs_predicted(timings, model, chunks, weights, path) -> None:  # type: ignore[no-untyped-def]
+    """The last equal-latency run's per-stage boxes as measured, beside the boxes the installed model
+    predicts for the same chunks (stage s of chunk k starts when s-1 finished k and s finished k-1)."""
+    from jaxcpp.tools.plot import plot_timelines
+    from jaxcpp.tools.simulator import SimResult, StageSpan
+
+    t0 = min(t.start for t in timings)
+    measured = SimResult(ttft={"lone": max(t.done for t in timings) - t0},
+                         spans=[StageSpan(t.ticket - timings[0].ticket, t.stage, t.start - t0, t.done - t0,
+                                          (("lone", 0, t.num_tokens),)) for t in timings])
+    w = weights or (1.0, 1.0)
+    done = [[0.0] * len(chunks) for _ in w]
+    spans, prefix = [], 0
+    for k, c in enumerate(chunks):
+        seconds = float(model.predict(prefix, c))
+        for s_ in range(len(w)):
+            start = max(done[s_ - 1][k] if s_ else 0.0, done[s_][k - 1] if k else 0.0)
+            done[s_][k] = start + seconds * w[s_]
+            spans.append(StageSpan(k, s_, start, done[s_][k], (("lone", prefix, c),)))
+        prefix += c
+    predicted = SimResult(ttft={"lone": done[-1][-1]}, spans=spans)
+    plot_timelines({"measured (stage processes)": measured, "predicted (installed model)": predicted},
+                   path, title="lone prompt, equal-latency chunks, PP 2")
 
 
 def part_hostcost(args: argparse.Namespace) -> dict:
@@ -181,6 +210,9 @@ def run_part(name: str, args: argparse.Namespace, extra: list[str], pin_self: bo
         env["XLA_FLAGS"] = PIN_FLAGS
     cmd = [sys.executable, __file__, "--part", name, "--model", args.model, "--prompt-len", str(args.prompt_len),
            "--budget", str(args.budget), "--reps", str(args.reps), *extra]
+    for flag in ("trace", "png"):
+        if getattr(args, flag, None):
+            cmd += [f"--{flag}", str(Path(getattr(args, flag)).resolve())]
     pre = ["taskset", "-c", "0"] if pin_self else []
     res = subprocess.run(pre + cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
     lines = res.stdout.strip().splitlines()
@@ -198,6 +230,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", default="speedup,ttft,hostcost")
+    parser.add_argument("--trace", default=None, help="Perfetto trace of the dynamic-chunking engine")
+    parser.add_argument("--png", default=None, help="measured vs predicted timeline of one run")
     args = parser.parse_args()
     if args.part:
         result = {"speedup": part_speedup, "ttft": part_ttft, "hostcost": part_hostcost}[args.part](args)

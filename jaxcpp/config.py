@@ -127,6 +127,7 @@ class ParallelConfig:
         if not self.is_multi_host:
             _require(pid in (None, 0), "process_id", f"is {pid} but --num-processes is {n or 1}")
             return
+        assert n is not None  # is_multi_host
         _require(self.distributed_executor_backend != "inproc", "distributed_executor_backend",
                  f"inproc runs every stage in one process; --num-processes {n} needs mp")
         _require(n == self.pipeline_parallel_size, "num_processes",

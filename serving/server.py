@@ -141,8 +141,9 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                     code = grpc.StatusCode.UNAVAILABLE if isinstance(out, ExecutorError) else grpc.StatusCode.INTERNAL
                     await context.abort(code, f"engine failed: {out}" if isinstance(out, ExecutorError)
                                         else f"engine failed: {out!r}")
-                finished = out.finished
-                yield self._response(request_id, out, text_of(out))
+                else:
+                    finished = out.finished
+                    yield self._response(request_id, out, text_of(out))
         except InvalidRequestError as exc:  # the engine refused it: nothing to abort
             finished = True
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

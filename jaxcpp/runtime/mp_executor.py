@@ -219,17 +219,22 @@ class MultiProcessExecutor:
     def _reply(self, ln: _StageLink, what: str, deadline: float | None = None) -> dict[str, Any]:
         """The next reply of stage `ln`, read directly during start-up, from its reader thread after."""
         while True:
-            if ln.process is not None and ln.process.poll() is not None and ln.conn.poll(0) is False:
+            starting = deadline is not None  # before the reader threads: read the connection here
+            if starting and ln.process is not None and ln.process.poll() is not None and not ln.conn.poll(0):
                 raise ExecutorError(f"failed during start-up: {how_it_ended(ln.process, 0)}", stage=ln.index)
-            if deadline is not None and ln.conn.poll(0.2):
-                header, _ = wire.recv(ln.conn)
+            if starting and ln.conn.poll(0.2):
+                try:
+                    header, _ = wire.recv(ln.conn)
+                except (EOFError, OSError):
+                    raise ExecutorError(f"failed during start-up: {how_it_ended(ln.process)}",
+                                        stage=ln.index) from None
                 if header["op"] == "error":
                     raise ExecutorError(header["message"], stage=ln.index)
                 if header["op"] == what:
                     return header
                 continue
-            if deadline is not None:
-                if time.monotonic() > deadline:
+            if starting:
+                if time.monotonic() > deadline:  # type: ignore[operator]
                     raise ExecutorError(f"no {what!r} within {START_TIMEOUT_S:.0f}s", stage=ln.index)
                 continue
             self._raise_if_failed()

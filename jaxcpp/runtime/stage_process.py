@@ -144,7 +144,8 @@ class StageWorker:
         self._dtype = jax.tree_util.tree_leaves(self.stage.params)[0].dtype
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{my_ip}:0",
                                                       [f"{my_ip}:0"])
-        kv = jax._src.distributed.global_state.client
+        kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
+        assert kv is not None, "jax.distributed.initialize() sets it"
         kv.key_value_set(f"jaxcpp/transfer/{index}", self._server.address())
         self._prev = None
         if index > 0:
