@@ -122,8 +122,9 @@ def part_ttft(args: argparse.Namespace) -> dict:
     model = ctl.model
     print(f"controller state after calibration: {ctl.state}; model: {model.describe() if model else None}",
           flush=True)
-    if model is None:
-        return {"state": str(ctl.state), "rows": rows}
+    if model is None:  # gave up (noisy timings): the fixed-chunk rows are still measured
+        dyn.engine.close()
+        return {"state": str(ctl.state), "rows": rows + fixed_rows(args, base, long, None, None)}
     weights = ctl.settings.stage_weights
     for policy in ("equal-latency", "optimal"):
         ctl.policy = policy
@@ -140,6 +141,14 @@ def part_ttft(args: argparse.Namespace) -> dict:
             last = [t for t in dyn.engine.executor.timings() if t.ticket >= first_ticket]
             plot_measured_vs_predicted(last, model, chunks, weights, args.png)
     dyn.engine.close()
+    rows += fixed_rows(args, base, long, model, weights)
+    return {"state": str(ctl.state), "model": model.describe(), "rows": rows}
+
+
+def fixed_rows(args, base, long, model, weights) -> list:  # type: ignore[no-untyped-def]
+    from jaxcpp.chunking.makespan import predicted_ttft
+
+    rows = []
     for div in (1, 2, 4):
         budget = args.budget // div
         llm = engine(args.model, max_num_batched_tokens=budget, **base)
@@ -150,9 +159,9 @@ def part_ttft(args: argparse.Namespace) -> dict:
             seen.clear()
             times.append(ttft_of(llm, long))
         rows.append({"policy": f"fixed {budget}", "chunks": list(seen), "measured": times,
-                     "predicted": predicted_ttft(model, list(seen), 2, weights)})
+                     "predicted": predicted_ttft(model, list(seen), 2, weights) if model else None})
         llm.engine.close()
-    return {"state": str(ctl.state), "model": model.describe(), "rows": rows}
+    return rows
 
 
 def plot_measured_vs_predicted(timings, model, chunks, weights, path) -> None:  # type: ignore[no-untyped-def]
@@ -253,8 +262,10 @@ def main() -> None:
         print(f"ttft (installed model: {res.get('model')}):")
         for r in res["rows"]:
             med = statistics.median(r["measured"])
-            print(f"  {r['policy']:>14}: measured {med:.3f}s {[round(t, 3) for t in r['measured']]}, predicted "
-                  f"{r['predicted']:.3f}s ({(med / r['predicted'] - 1) * 100:+.0f}%), chunks {r['chunks']}")
+            pred = (f"predicted {r['predicted']:.3f}s ({(med / r['predicted'] - 1) * 100:+.0f}%)"
+                    if r["predicted"] else "no installed model to predict from")
+            print(f"  {r['policy']:>14}: measured {med:.3f}s {[round(t, 3) for t in r['measured']]}, {pred}, "
+                  f"chunks {r['chunks']}")
     if "hostcost" in only:
         args.model = write_model(tmp / "small", 64, 8, 4, 2, 1024)
         res = run_part("hostcost", args, [], pin_self=False)

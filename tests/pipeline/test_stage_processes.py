@@ -68,6 +68,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 @pytest.mark.parametrize(("pp", "tp", "partition"), [
     (2, 1, None),
+    (4, 1, None),      # 6 layers: 1,1,2,2
     (2, 2, None),      # two CPU devices in each stage process
     (3, 1, "1,3,2"),   # an uneven partition
 ])
