@@ -87,15 +87,58 @@ class ParallelConfig:
     pp_partition: str | None = opt(None, "layers per stage, comma-separated, e.g. 6,6,6,8 "
                                    "(default: even, extra layers on later stages)")
     trace_file: str | None = opt(None, "write per-stage timing probes as a Chrome/Perfetto trace JSON")
+    distributed_executor_backend: str | None = opt(
+        None, "inproc: every stage in this process; mp: one OS process per stage (default: mp when "
+        "--num-processes > 1, else inproc)", choices=("inproc", "mp"))
+    coordinator_address: str | None = field(default_factory=lambda: _env_coordinator(), metadata={
+        "help": "host:port of the jax.distributed coordinator (stage 0's process, on the head's host) "
+                "for a pipeline over several hosts; the head's control channel listens on port + 1 "
+                "(default: env JAX_COORDINATOR_ADDRESS, else LWS_LEADER_ADDRESS:8476)"})
+    num_processes: int | None = field(default_factory=lambda: _env_int("JAX_NUM_PROCESSES", "LWS_GROUP_SIZE"),
+                                      metadata={"help": "processes (hosts) in the pipeline, one per stage "
+                                                        "(default: env JAX_NUM_PROCESSES, else LWS_GROUP_SIZE)"})
+    process_id: int | None = field(default_factory=lambda: _env_int("JAX_PROCESS_ID", "LWS_WORKER_INDEX"),
+                                   metadata={"help": "this process's index: 0 is the head (engine, gRPC "
+                                                     "and stage 0), I > 0 runs stage I (default: env "
+                                                     "JAX_PROCESS_ID, else LWS_WORKER_INDEX)"})
 
     def __post_init__(self) -> None:
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        self._check_distributed()
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         if self.pp_partition is not None:
             parts = self.partition_list()
             _require(len(parts) == self.pipeline_parallel_size, "pp_partition",
                      f"gives {len(parts)} stages but --pipeline-parallel-size is {self.pipeline_parallel_size}")
             _require(all(p >= 1 for p in parts), "pp_partition", "every stage needs at least one layer")
+
+    @property
+    def executor_backend(self) -> str:
+        """"mp" or "inproc": what `--distributed-executor-backend` asked for, or what the process count implies."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.is_multi_host else "inproc"
+
+    @property
+    def is_multi_host(self) -> bool:
+        """Stage processes started separately (one `jaxcpp serve` per host), not spawned by the head."""
+        return self.num_processes is not None and self.num_processes > 1
+
+    def _check_distributed(self) -> None:
+        n, pid = self.num_processes, self.process_id
+        _require(n is None or n >= 1, "num_processes", f"must be >= 1, got {n}")
+        if not self.is_multi_host:
+            _require(pid in (None, 0), "process_id", f"is {pid} but --num-processes is {n or 1}")
+            return
+        assert n is not None  # is_multi_host
+        _require(self.distributed_executor_backend != "inproc", "distributed_executor_backend",
+                 f"inproc runs every stage in one process; --num-processes {n} needs mp")
+        _require(n == self.pipeline_parallel_size, "num_processes",
+                 f"({n}) must equal --pipeline-parallel-size ({self.pipeline_parallel_size}): one process per stage")
+        _require(pid is not None and 0 <= pid < n, "process_id", f"must be in [0, {n}), got {pid}")
+        _require(self.coordinator_address is not None and ":" in self.coordinator_address,
+                 "coordinator_address", f"host:port is needed with --num-processes {n}, got "
+                 f"{self.coordinator_address!r}")
 
     def partition_list(self) -> list[int]:
         assert self.pp_partition is not None
@@ -106,6 +149,25 @@ class ParallelConfig:
 
 
 DEFAULT_SMOOTH_FACTOR = 0.75  # the one default of --dynamic-chunking-smooth-factor (ChunkSettings uses it)
+
+
+def _env_int(*names: str) -> int | None:
+    """The first of `names` set in the environment, as an int (JAX's variables first, then LWS's)."""
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}: expected an integer, got {value!r}") from None
+    return None
+
+
+def _env_coordinator() -> str | None:
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return os.environ["JAX_COORDINATOR_ADDRESS"]
+    leader = os.environ.get("LWS_LEADER_ADDRESS")
+    return f"{leader}:8476" if leader else None
 
 
 def _default_smooth_factor() -> float:

@@ -113,6 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
     configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
+    if engine_config.parallel.is_multi_host and engine_config.parallel.process_id:  # a stage worker
+        return _serve_stage(engine_config.parallel)
     if (warning := command_line_key_warning(args)) is not None:
         print(warning, file=sys.stderr, flush=True)
 
@@ -133,6 +135,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"jaxcpp: serving {engine_config.model.model} on {where}{tls}{metrics}", flush=True)
 
     return asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
+
+
+def _serve_stage(parallel: Any) -> int:
+    """Host I > 0 of a multi-host pipeline: run stage I for the head (process 0), which owns the
+    engine and the gRPC server and sends this process its config; exits when the head stops it."""
+    from jaxcpp.runtime.stage_process import serve_stage
+
+    host, port = parallel.coordinator_address.rsplit(":", 1)
+    print(f"jaxcpp: process {parallel.process_id}/{parallel.num_processes} runs stage {parallel.process_id} "
+          f"for the head at {host}:{int(port) + 1}", file=sys.stderr, flush=True)
+    return serve_stage(f"{host}:{int(port) + 1}", parallel.process_id)
 
 
 # -- client --------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from grpc_reflection.v1alpha import reflection
 import jaxcpp
 from jaxcpp.config import ServerConfig
 from jaxcpp.errors import InvalidRequestError
+from jaxcpp.executor import ExecutorError
 from jaxcpp.outputs import ModelInfo, RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop
@@ -177,7 +178,10 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                 out = await stream.outputs.get()
                 if isinstance(out, BaseException):
                     finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {out!r}")
+                    # a lost pipeline stage is the server's loss, not the request's: retry elsewhere
+                    lost = isinstance(out, ExecutorError)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL,
+                                        f"engine failed: {out}" if lost else f"engine failed: {out!r}")
                     return
                 finished = out.finished
                 if out.finish_reason == "error":  # the engine failed this request and carries on
@@ -450,8 +454,8 @@ class Server:
         self._gate = _WarmUpGate()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
-        self.engine_failure: BaseException | None = None  # what stopped the engine thread, if anything
-        self.engine_failed = asyncio.Event()  # set on the server's loop when it did
+        self.engine_failure: BaseException | None = None  # the engine's (or its executor's) fatal error
+        self.engine_failed = asyncio.Event()  # set on the server's loop when it happened
 
     async def start(self) -> int:
         """Start the server (and the engine thread, if given an engine); returns the bound port."""
@@ -505,6 +509,9 @@ class Server:
     async def attach_engine(self, engine: Engine) -> None:
         """Start the engine thread on `engine`, open the service and turn health SERVING."""
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
+        listen = getattr(getattr(engine, "executor", None), "add_failure_listener", None)
+        if listen is not None:  # a stage process that dies while the engine idles is noticed too
+            listen(self._on_engine_failure)
         self.engine_loop.start()
         model_info = await asyncio.wrap_future(self.engine_loop.submit(engine.model_info))
         self.servicer.attach(self.engine_loop, model_info)
@@ -550,8 +557,8 @@ class Server:
         if self._server is not None:
             await self._server.wait_for_termination()
 
-    def _on_engine_failure(self, exc: BaseException) -> None:  # engine thread
-        self.engine_failure = exc
+    def _on_engine_failure(self, exc: BaseException) -> None:  # engine thread (or an executor's listener)
+        self.engine_failure = self.engine_failure or exc
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self._loop)
             self._loop.call_soon_threadsafe(self.engine_failed.set)
@@ -613,7 +620,8 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
 
     Returns the exit code: 0, also for a signal during warm-up (nothing to drain then); 1 when the engine
     failed while serving (its requests already got INTERNAL, health NOT_SERVING): the orchestrator
-    restarts the process. An engine that fails to build stops the server and raises.
+    restarts the process (e.g. a pipeline stage process died). An engine that fails to build stops the
+    server and raises.
     """
     import signal
 
@@ -641,7 +649,7 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
         on_ready(server)
     failed = asyncio.ensure_future(server.engine_failed.wait())
     await asyncio.wait((stopping, failed), return_when=asyncio.FIRST_COMPLETED)
-    if failed.done():
+    if failed.done() and not stopping.done():  # exit non-zero so that an orchestrator restarts the group
         log.error("engine failed (%r): stopping with exit code 1", server.engine_failure)
         stopping.cancel()
         await server.stop(0)

@@ -14,6 +14,7 @@ import time
 import jax
 
 from jaxcpp.config import EngineConfig
+from jaxcpp.executor import Executor
 from jaxcpp.kernels.backend import select_attention
 from jaxcpp.models.checkpoint import load_stage_params
 from jaxcpp.runtime.mesh import make_mesh, stage_mesh
@@ -44,8 +45,17 @@ def resolve_dtype(requested: str, backend: str | None = None) -> str:
     return requested
 
 
-def build_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:
-    """P stages (P = 1 is the single-device case), each loading only its layers from the checkpoint."""
+def build_executor(config: EngineConfig, sizing: EngineSizing) -> Executor:
+    """`--distributed-executor-backend mp`: one process per stage (`MultiProcessExecutor`); otherwise
+    P stages in this process (P = 1 is the single-device case). Each stage loads only its layers."""
+    if config.parallel.executor_backend == "mp":
+        from jaxcpp.runtime.mp_executor import MultiProcessExecutor
+
+        return MultiProcessExecutor(config, sizing)
+    return build_inproc_executor(config, sizing)
+
+
+def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:
     enable_compilation_cache()
     attention_fn = select_attention(config.model.attention_backend)
     p = config.parallel

@@ -1,7 +1,6 @@
 """Every `jaxcpp serve` flag in a manifest or an image's entry point exists in the real CLI parser and takes
-its value, so a renamed flag breaks this test, not a deployment. The flags of issue 10 (stage processes) are
-not in the CLI yet: those cases are strict expected failures and turn into failures once the flags land
-(then drop ISSUE_10_FLAGS' marks)."""
+its value, so a renamed flag breaks this test, not a deployment. The flags of issue 10 (stage processes:
+ISSUE_10_FLAGS) are checked like every other one, and with the others they must make a valid config."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from jaxcpp.cli_args import engine_config_from_args, server_config_from_args
 from jaxcpp.serving.cli import build_parser
 from tests.deploy.conftest import (
     DOCKERFILES,
-    ISSUE_10_FLAGS,
     LWS_ENV,
     all_pod_templates,
     dockerfile_serve_args,
@@ -52,9 +50,7 @@ def _flag_cases() -> list:
     for where, args in _serve_arg_lists():
         for flag in _split_flags(args):
             name = flag_name(flag[0])
-            marks = [pytest.mark.xfail(strict=True, reason="issue 10 stage processes")] \
-                if name in ISSUE_10_FLAGS else []
-            cases.append(pytest.param(flag, id=f"{where}:{name}", marks=marks))
+            cases.append(pytest.param(flag, id=f"{where}:{name}"))
     return cases
 
 
@@ -76,9 +72,9 @@ def test_flag_exists_in_jaxcpp_serve(flag: list[str]) -> None:
 
 @pytest.mark.parametrize(("where", "args"), ARG_LISTS, ids=[w for w, _ in ARG_LISTS])
 def test_flags_together_make_a_valid_config(where: str, args: list[str]) -> None:
-    """Cross-flag rules (e.g. --max-num-seqs <= --max-num-batched-tokens) hold for today's flags."""
-    today = [part for flag in _split_flags(args) if flag_name(flag[0]) not in ISSUE_10_FLAGS for part in flag]
-    parsed = _serve_parser().parse_args(today)
+    """Cross-flag rules (e.g. --max-num-seqs <= --max-num-batched-tokens, --num-processes equal to
+    --pipeline-parallel-size) hold for the flags together."""
+    parsed = _serve_parser().parse_args(args)
     engine_config_from_args(parsed)
     server = server_config_from_args(parsed)
     assert server.host == "0.0.0.0", f"{where}: bind every interface inside a container, or nothing reaches it"

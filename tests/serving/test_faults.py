@@ -4,8 +4,9 @@ recovers with every page accounted for, or turns NOT_SERVING and `serve` exits n
 - collect raises ExecutorError(fatal=False): the engine fails the requests of the steps in flight;
   their clients get INTERNAL with the message; the server recovers (SERVING, every page free).
 - garbage tokens (ids outside the vocabulary): the same; the step is failed, its tokens never emitted.
-- submit raises ExecutorError (fatal): the engine fails the steps in flight, then raises; every stream
-  gets INTERNAL, health turns NOT_SERVING, `serve` exits 1 so the orchestrator restarts it.
+- submit raises ExecutorError (fatal: a lost stage): the engine fails the steps in flight, then raises;
+  every stream gets UNAVAILABLE naming the stage (the server's loss: retry elsewhere), health turns
+  NOT_SERVING, `serve` exits 1 so the orchestrator restarts it. Any other exception: INTERNAL.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def test_a_fatal_fault_fails_every_stream_and_turns_the_server_not_serving(serve
         for stream in streams:
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
-            assert err.value.code() == grpc.StatusCode.INTERNAL and "signal 9" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "signal 9" in err.value.details()
         wait_until(lambda: client.health() == "NOT_SERVING")
         with pytest.raises(grpc.RpcError) as err:
             client.generate("x", max_tokens=1)
@@ -111,7 +112,7 @@ def test_serve_exits_non_zero_after_a_fatal_engine_fault():
         port = int(proc.stdout.readline())
         with Client(f"127.0.0.1:{port}", timeout=30) as client, pytest.raises(grpc.RpcError) as err:
             client.generate("abc", max_tokens=100)
-        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert proc.wait(timeout=60) == 1
     finally:
         if proc.poll() is None:

@@ -1,0 +1,442 @@
+"""The multi-process executor, head side: one OS process per pipeline stage, on one host or many.
+
+    executor = MultiProcessExecutor(config, sizing)   # spawns (or waits for) P stage processes
+    ticket = executor.submit(step)     # the step packed once, the same few KB sent to every stage
+    result = executor.collect(ticket)  # FIFO; tokens / logits / timings from the last stage
+
+Topology (docs/pipeline.md):
+
+    head (engine, gRPC; no jax backend)        control channel: one authenticated TCP connection
+      |-- stage 0 process  (T devices)  --+    per stage, JSON headers + raw arrays (`wire`)
+      |-- stage 1 process  (T devices)  <-+ activations: jax.experimental.transfer, stage to stage
+      ...                                      jax.distributed: stage 0 hosts the coordinator; the
+      '-- stage P-1 process -> tokens to head  stages find each other's transfer servers through it
+
+On one host (`--distributed-executor-backend mp`) the head spawns the P stage processes itself. With
+`--num-processes P --process-id I` every host runs `jaxcpp serve`: process 0 is the head and spawns
+stage 0 beside itself, host I runs stage I (`jaxcpp.runtime.stage_process.serve_stage`); the control
+channel listens on the coordinator's port + 1.
+
+One reader thread per stage receives what the stage sends (timings, the last stage's results,
+replies); a closed connection means the stage process ended, and every waiting or later call raises
+`ExecutorError(stage=s)` naming how it ended (for a spawned stage, its exit code or signal): within
+milliseconds of the death, well inside the 2 s the contract asks. The stages run their micro-batches
+in submission order and each blocks on its own output, so up to P micro-batches are in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Listener
+from typing import Any
+
+from jaxcpp.config import EngineConfig
+from jaxcpp.executor import ExecutorError, StageTiming, StepResult
+from jaxcpp.runtime import wire
+from jaxcpp.runtime.stage_process import CONTROL_KEY_ENV, control_key
+from jaxcpp.runtime.trace import TraceWriter
+from jaxcpp.sizing import EngineSizing
+from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = float(os.environ.get("JAXCPP_STAGE_START_TIMEOUT_S", "600"))
+PIN_ENV = "JAXCPP_PIN_STAGE_CORES"   # "1": each stage on its own cores, single-threaded XLA:CPU
+MAX_KEPT = 100_000                   # timing records kept for timings() / probes()
+
+
+@dataclasses.dataclass
+class _StageLink:
+    index: int
+    conn: Any = None
+    pid: int | None = None
+    host: str = ""
+    compilations: int = 0                  # the stage's own count, as of its latest message
+    clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
+    process: subprocess.Popen[bytes] | None = None   # when the head spawned it
+    replies: queue.SimpleQueue[dict[str, Any]] = dataclasses.field(default_factory=queue.SimpleQueue)
+    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+@dataclasses.dataclass
+class _Pending:
+    ticket: int
+    want_tokens: bool
+    want_logits: bool
+    ack: bool
+    submitted: float
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def how_it_ended(process: subprocess.Popen[bytes] | None, wait_s: float = 1.0) -> str:
+    if process is None:
+        return "its control connection closed (process gone, or its host unreachable)"
+    try:
+        code = process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return f"process {process.pid} closed its control connection"
+    if code < 0:
+        return f"process {process.pid} was killed by {signal.Signals(-code).name}"
+    return f"process {process.pid} exited with code {code}"
+
+
+class MultiProcessExecutor:
+    def __init__(self, config: EngineConfig, sizing: EngineSizing) -> None:
+        p = config.parallel
+        self.num_stages = p.pipeline_parallel_size
+        self.max_in_flight = self.num_stages
+        self._config = config
+        self._sizing = sizing
+        self._lock = threading.Condition()
+        self._failure: ExecutorError | None = None
+        self._failure_listeners: list[Any] = []
+        self._closed = False
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._results: dict[int, tuple[dict[str, Any], list[Any]]] = {}
+        self._discard: set[int] = set()
+        self._partial: dict[int, dict[int, StageTiming]] = {}
+        self._acked: dict[int, tuple[StageTiming, ...]] = {}
+        self._history: collections.deque[StageTiming] = collections.deque(maxlen=MAX_KEPT)
+        self._probes: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_KEPT)
+        self._submit_times: dict[int, float] = {}
+        self._next_ticket = 0
+        self._traced = False
+        self._shape: StepShape | None = None
+        self._trace: TraceWriter | None = None
+        self.links = [_StageLink(s) for s in range(self.num_stages)]
+        self._start(p.is_multi_host, p.coordinator_address)
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _start(self, multi_host: bool, coordinator: str | None) -> None:
+        if multi_host:
+            assert coordinator is not None
+            host, port = coordinator.rsplit(":", 1)
+            listen, control_port, authkey = ("0.0.0.0", int(port) + 1), int(port) + 1, control_key()
+            spawn = [0]         # the head's own host runs stage 0 (and so the coordinator)
+        else:
+            control_port = free_port()
+            listen, authkey = ("127.0.0.1", control_port), secrets.token_bytes(16)
+            coordinator = f"127.0.0.1:{free_port()}"
+            spawn = list(range(self.num_stages))
+        self._coordinator = coordinator
+        self._listener = Listener(listen, authkey=authkey)
+        accepted: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._accept, args=(accepted,), name="jaxcpp-stage-accept", daemon=True).start()
+        for s in spawn:
+            self.links[s].process = self._spawn(s, control_port, authkey)
+        try:
+            self._handshake(accepted)
+        except BaseException:
+            self.close()
+            raise
+        names = [f"stage {ln.index}: pid {ln.pid} on {ln.host}" for ln in self.links]
+        if self._config.parallel.trace_file:
+            self._trace = TraceWriter(self._config.parallel.trace_file, time.perf_counter(), names)
+        for ln in self.links:
+            threading.Thread(target=self._read, args=(ln,), name=f"jaxcpp-stage{ln.index}-reader",
+                             daemon=True).start()
+
+    def _spawn(self, stage: int, control_port: int, authkey: bytes) -> subprocess.Popen[bytes]:
+        env = {**os.environ, CONTROL_KEY_ENV: authkey.hex()}
+        env.pop("XLA_FLAGS", None)  # the stage sets its own device count (the head's is not its)
+        cmd = [sys.executable, "-m", "jaxcpp.runtime.stage_process", "--control", f"127.0.0.1:{control_port}",
+               "--stage", str(stage), "--parent-pid", str(os.getpid())]
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+    def _accept(self, accepted: queue.SimpleQueue[Any]) -> None:
+        while True:
+            try:
+                accepted.put(self._listener.accept())
+            except OSError:   # closed
+                return
+            except Exception as e:  # noqa: BLE001 - a bad handshake (wrong key) must not stop accepting
+                log.warning("refused a control connection: %s", e)
+
+    def _handshake(self, accepted: queue.SimpleQueue[Any]) -> None:
+        """Every stage says hello and gets the config; then each loads and places its layers."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = set(range(self.num_stages))
+        while waiting:
+            self._check_spawned(deadline, waiting)
+            try:
+                conn = accepted.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            wire.no_delay(conn)
+            hello, _ = wire.recv(conn)
+            s = hello.get("stage")
+            if s not in waiting:
+                wire.send(conn, {"op": "refused", "reason": f"stage {s} is not awaited (have "
+                                 f"{self.num_stages} stages; waiting for {sorted(waiting)})"})
+                conn.close()
+                continue
+            waiting.discard(s)
+            ln = self.links[s]
+            ln.conn, ln.pid, ln.host = conn, hello["pid"], hello["host"]
+            if ln.host != socket.gethostname():
+                ln.clock_offset = time.perf_counter() - hello["clock"]  # one-way latency ignored
+            wire.send(conn, self._setup_for(s))
+        for ln in self.links:  # each stage loads in parallel; wait for all
+            header = self._reply(ln, "ready", deadline)
+            log.info("stage %d/%d ready: pid %d on %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
+                     ln.pid, ln.host, header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+
+    def _setup_for(self, stage: int) -> dict[str, Any]:
+        tp = self._config.parallel.tensor_parallel_size
+        cores = None
+        if os.environ.get(PIN_ENV) == "1":
+            n = os.cpu_count() or 1
+            cores = sorted({(stage * tp + i) % n for i in range(tp)})
+        return {"op": "setup", "config": json.loads(json.dumps(dataclasses.asdict(self._config))),
+                "coordinator": self._coordinator, "num_stages": self.num_stages,
+                "tensor_parallel_size": tp, "cores": cores}
+
+    def _check_spawned(self, deadline: float, waiting: set[int]) -> None:
+        for ln in self.links:
+            if ln.process is not None and ln.process.poll() is not None:
+                raise ExecutorError(f"did not start: {how_it_ended(ln.process, 0)}", stage=ln.index)
+        if time.monotonic() > deadline:
+            raise ExecutorError(f"stages {sorted(waiting)} did not connect within {START_TIMEOUT_S:.0f}s "
+                                f"(coordinator {self._coordinator})")
+
+    def _reply(self, ln: _StageLink, what: str, deadline: float | None = None) -> dict[str, Any]:
+        """The next reply of stage `ln`, read directly during start-up, from its reader thread after."""
+        while True:
+            starting = deadline is not None  # before the reader threads: read the connection here
+            if starting and ln.process is not None and ln.process.poll() is not None and not ln.conn.poll(0):
+                raise ExecutorError(f"failed during start-up: {how_it_ended(ln.process, 0)}", stage=ln.index)
+            if starting and ln.conn.poll(0.2):
+                try:
+                    header, _ = wire.recv(ln.conn)
+                except (EOFError, OSError):
+                    raise ExecutorError(f"failed during start-up: {how_it_ended(ln.process)}",
+                                        stage=ln.index) from None
+                if header["op"] == "error":
+                    raise ExecutorError(header["message"], stage=ln.index)
+                if header["op"] == what:
+                    return header
+                continue
+            if starting:
+                if time.monotonic() > deadline:  # type: ignore[operator]
+                    raise ExecutorError(f"no {what!r} within {START_TIMEOUT_S:.0f}s", stage=ln.index)
+                continue
+            self._raise_if_failed()
+            try:
+                header = ln.replies.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if header["what"] == what:
+                return header
+
+    # ---- the reader threads --------------------------------------------------------------------
+    def _read(self, ln: _StageLink) -> None:
+        while True:
+            try:
+                header, arrays = wire.recv(ln.conn)
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._fail(ExecutorError(f"stage process ended: {how_it_ended(ln.process)}", stage=ln.index))
+                return
+            op = header["op"]
+            ln.compilations = header.get("compilations", ln.compilations)
+            if op == "timing":
+                self._on_timing(ln, header)
+            elif op == "result":
+                with self._lock:
+                    if header["id"] in self._discard:
+                        self._discard.discard(header["id"])
+                    else:
+                        self._results[header["id"]] = (header, arrays)
+                    self._lock.notify_all()
+            elif op == "compiled":
+                log.info("stage %d compiled bucket %d/%d: %d tokens (%.1fs)", header["stage"], header["bucket"],
+                         header["of"], header["num_tokens"], header["seconds"])
+            elif op == "error":
+                self._fail(ExecutorError(f"micro-batch {header['id']} failed: {header['message']}",
+                                         stage=ln.index))
+            else:
+                ln.replies.put(header)
+
+    def _on_timing(self, ln: _StageLink, h: dict[str, Any]) -> None:
+        off = ln.clock_offset
+        ticket = h["id"]
+        with self._lock:
+            submitted = self._submit_times.get(ticket, float("nan"))
+            timing = StageTiming(ticket, ln.index, h["num_tokens"], self._traced, submitted, h["inputs_ready"] + off,
+                                 h["start"] + off, h["done"] + off)
+            local = ("idle_since", "received", "pull_start", "inputs_ready", "start", "done")
+            self._probes.append({**h, **{k: h[k] + off for k in local}, "submitted": submitted})
+            parts = self._partial.setdefault(ticket, {})
+            parts[ln.index] = timing
+            if len(parts) < self.num_stages:
+                return
+            del self._partial[ticket]
+            self._submit_times.pop(ticket, None)
+            ordered = tuple(parts[s] for s in range(self.num_stages))
+            self._history.extend(ordered)
+            self._acked[ticket] = ordered
+            self._lock.notify_all()
+        if self._trace is not None and timing.traced:
+            for t in ordered:
+                self._trace.add(t)
+
+    def _fail(self, error: ExecutorError) -> None:
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = error
+                log.error("pipeline failed: %s", error)
+            self._lock.notify_all()
+        if first:
+            for listener in list(self._failure_listeners):
+                listener(error)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise ExecutorError("the executor is closed")
+
+    # ---- the Executor contract -----------------------------------------------------------------
+    def warmup(self, shape: StepShape) -> float:
+        """Every stage compiles every bucket on its own, in parallel; then one micro-batch of the
+        smallest bucket goes through the whole pipe (the transfers between processes)."""
+        self._shape = shape
+        start = time.perf_counter()
+        self._broadcast({"op": "warmup"})
+        for ln in self.links:
+            self._reply(ln, "warmup")
+        self.collect(self.submit(padding_step(shape.token_buckets[0], shape), want_logits=True, ack=True))
+        self._traced = True
+        log.info("warm-up on %d stage processes: %.1fs", self.num_stages, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+               ack: bool = False) -> int:
+        self._raise_if_failed()
+        if len(self._pending) >= self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
+        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+        buf, layout = pack(step)
+        header = {"op": "step", "id": ticket, "num_tokens": step.num_tokens_padded,
+                  "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
+                  "want_tokens": want_tokens, "want_logits": want_logits}
+        with self._lock:
+            self._submit_times[ticket] = time.perf_counter()
+        self._broadcast(header, [buf])
+        self._pending.append(_Pending(ticket, want_tokens, want_logits, ack, time.perf_counter()))
+        return ticket
+
+    def collect(self, ticket: int) -> StepResult:
+        if not self._pending or self._pending[0].ticket != ticket:
+            expected = self._pending[0].ticket if self._pending else None
+            raise ValueError(f"tickets are collected in FIFO order: expected {expected}, got {ticket}")
+        head = self._pending.popleft()
+        needs_result = head.want_tokens or head.want_logits
+        with self._lock:
+            if not needs_result and not head.ack:  # nothing to wait for: drop the result when it comes
+                if self._results.pop(ticket, None) is None:
+                    self._discard.add(ticket)
+                self._acked.pop(ticket, None)
+                return StepResult(None)
+            while not ((not needs_result or ticket in self._results) and (not head.ack or ticket in self._acked)):
+                self._raise_if_failed()
+                self._lock.wait(0.5)
+            header, arrays = self._results.pop(ticket, ({}, []))
+            timings = self._acked.pop(ticket, ()) if head.ack else ()
+            if not head.ack:
+                self._acked.pop(ticket, None)
+        it = iter(arrays)
+        tokens = next(it) if header.get("tokens") else None
+        logits = next(it) if header.get("logits") else None
+        return StepResult(tokens, logits, timings)
+
+    def time_attention_free_forward(self, num_tokens: int) -> float:
+        """The slowest stage's attention-free forward of `num_tokens`, each stage timing its own, all
+        at once (its program is compiled and run once untimed on first use)."""
+        if self._shape is None:
+            raise RuntimeError("time_attention_free_forward() needs warmup() first (it fixes the shapes)")
+        self._broadcast({"op": "attention_free", "num_tokens": num_tokens})
+        return max(float(self._reply(ln, "attention_free")["seconds"]) for ln in self.links)
+
+    def num_compilations(self) -> int:
+        """Programs compiled in every stage process since it started: each stage counts its own and
+        reports it with every message (so this never waits; it is current as of the last collect)."""
+        return sum(ln.compilations for ln in self.links)
+
+    def close(self) -> None:
+        """Stop every stage process (spawned ones are killed if they do not exit in 5 s). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for ln in self.links:
+            if ln.conn is not None:
+                try:
+                    with ln.send_lock:
+                        wire.send(ln.conn, {"op": "stop"})
+                except OSError:
+                    pass
+        for ln in self.links:
+            if ln.process is not None:
+                try:
+                    ln.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    ln.process.kill()
+                    ln.process.wait(timeout=5)
+        self._listener.close()
+        if self._trace is not None:
+            self._trace.close()
+        with self._lock:
+            self._lock.notify_all()
+
+    # ---- beyond the contract: probes for tests and benchmarks ------------------------------------
+    @property
+    def failure(self) -> ExecutorError | None:
+        return self._failure
+
+    def add_failure_listener(self, callback: Any) -> None:
+        """`callback(error)` once, from a reader thread, when a stage fails: the server turns
+        NOT_SERVING even while the engine idles (no step would otherwise see the failure)."""
+        self._failure_listeners.append(callback)
+        if self._failure is not None:
+            callback(self._failure)
+
+    def stage_pids(self) -> list[int | None]:
+        return [ln.pid for ln in self.links]
+
+    def timings(self) -> list[StageTiming]:
+        with self._lock:
+            return list(self._history)
+
+    def probes(self) -> list[dict[str, Any]]:
+        """Raw per-stage records on the head's clock: submitted (by the head), idle_since (the stage began
+        waiting for this message), received, pull_start, inputs_ready, done."""
+        with self._lock:
+            return list(self._probes)
+
+    def _broadcast(self, header: dict[str, Any], arrays: list[Any] = ()) -> None:  # type: ignore[assignment]
+        for ln in self.links:
+            try:
+                with ln.send_lock:
+                    wire.send(ln.conn, header, arrays)
+            except OSError as e:
+                self._fail(ExecutorError(f"sending to the stage process failed: {e}; "
+                                         f"{how_it_ended(ln.process)}", stage=ln.index))
+                self._raise_if_failed()

@@ -1,0 +1,308 @@
+"""One pipeline stage in its own OS process: the stage side of the multi-process executor.
+
+    python -m jaxcpp.runtime.stage_process --control HOST:PORT --stage S [--parent-pid PID]
+    (or `jaxcpp serve --num-processes N --process-id S ...` on host S > 0, which calls serve_stage)
+
+How a stage process comes up and runs:
+
+    1. connect to the head's control channel (TCP, HMAC-authenticated; retried until the head is up),
+       say hello (stage index, pid, host), receive the head's EngineConfig and the coordinator address
+    2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when asked, pin
+       itself to its cores with single-threaded XLA:CPU; only then import jax
+    3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service;
+       each stage publishes its transfer server's address in the service's key-value store and connects
+       to the previous stage's (discovery through jax.distributed, not a home-made protocol)
+    4. build its `Stage` from its own layers (`load_stage_params`), tell the head it is ready
+    5. loop over control messages (`jaxcpp.runtime.wire`), in order:
+         step      -> put the packed step on its devices, pull the activations of the same micro-batch
+                      from stage S-1 (`jax.experimental.transfer`), run, time the model call, then
+                      offer its output to stage S+1 (await_pull) or, on the last stage, send tokens
+                      (and logits when asked) to the head; every stage sends its timing record
+         warmup    -> compile every bucket on its own (zero activations), all stages in parallel
+         attention_free / count / stop
+
+Activations go stage to stage; the head only ever sees the few-KB step and the last stage's tokens.
+The process exits when the head says stop, when the control channel closes (the head died), or when
+its parent (a spawning head) is gone: no orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Client
+from typing import Any
+
+import numpy as np
+
+from jaxcpp.runtime import wire
+
+log = logging.getLogger("jaxcpp.stage")
+
+CONTROL_KEY_ENV = "JAXCPP_CONTROL_KEY"      # hex; set by a spawning head, or shared by every host
+DEFAULT_CLUSTER_KEY = b"jaxcpp-cluster"     # multi-host default: authenticates, does not protect (docs)
+CONNECT_TIMEOUT_S = float(os.environ.get("JAXCPP_STAGE_CONNECT_TIMEOUT_S", "600"))
+
+
+def control_key() -> bytes:
+    key = os.environ.get(CONTROL_KEY_ENV)
+    return bytes.fromhex(key) if key else DEFAULT_CLUSTER_KEY
+
+
+def connect(address: tuple[str, int], authkey: bytes, parent_pid: int | None) -> Any:
+    """The head's control channel; retried while the head starts (multi-host hosts start in any order)."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except (ConnectionRefusedError, OSError) as e:
+            if time.monotonic() > deadline or (parent_pid is not None and os.getppid() != parent_pid):
+                raise ConnectionError(f"no head at {address[0]}:{address[1]}: {e}") from e
+            time.sleep(0.2)
+
+
+def local_ip_towards(host: str) -> str:
+    """This host's address on the interface that reaches `host` (what peers should connect to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(host), 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def configure_process(num_devices: int, cores: list[int] | None) -> None:
+    """Before jax is imported: this stage's T devices (on CPU) and, if asked, its own cores,
+    single-threaded, so that stages really run side by side instead of fighting over every core."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={num_devices}"
+    if cores:
+        os.sched_setaffinity(0, cores)
+        if "xla_cpu_multi_thread_eigen" not in flags:
+            flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def watch_parent(parent_pid: int) -> None:
+    """A spawned stage exits as soon as its head is gone, even while blocked on a transfer."""
+
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.25)
+        os._exit(3)
+
+    threading.Thread(target=run, name="jaxcpp-parent-watch", daemon=True).start()
+
+
+def serve_stage(control: str, stage: int, *, parent_pid: int | None = None) -> int:
+    """Run stage `stage` until the head stops it; the exit code (0 when stopped by the head)."""
+    host, port = control.rsplit(":", 1)
+    if parent_pid is not None:
+        watch_parent(parent_pid)
+    conn = connect((host, int(port)), control_key(), parent_pid)
+    wire.no_delay(conn)
+    wire.send(conn, {"op": "hello", "stage": stage, "pid": os.getpid(), "host": socket.gethostname(),
+                     "clock": time.perf_counter()})
+    setup, _ = wire.recv(conn)
+    if setup["op"] == "refused":
+        print(f"jaxcpp stage {stage}: the head refused it: {setup['reason']}", file=sys.stderr)
+        return 2
+    configure_process(setup["tensor_parallel_size"], setup.get("cores"))
+    try:
+        worker = StageWorker(conn, stage, setup, local_ip_towards(host))
+    except Exception as e:  # loading or placing failed: the head names it and gives up
+        log.exception("stage %d failed to start", stage)
+        wire.send(conn, {"op": "error", "id": -1, "message": f"start-up failed: {e!r}"})
+        return 1
+    return worker.loop()
+
+
+class StageWorker:
+    """Everything below runs after jax is configured for this process (configure_process)."""
+
+    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str) -> None:
+        import jax
+        from jax.experimental import transfer
+
+        from jaxcpp.runtime import compile_guard
+
+        compile_guard.install()
+        self._compilations_at_start = compile_guard.num_compilations()
+        self.conn = conn
+        self.index = index
+        num_stages = setup["num_stages"]
+        jax.distributed.initialize(setup["coordinator"], num_processes=num_stages, process_id=index,
+                                   heartbeat_timeout_seconds=10)
+        self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
+        self._hidden_size = self.stage.config.hidden_size
+        self._dtype = jax.tree_util.tree_leaves(self.stage.params)[0].dtype
+        self._server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{my_ip}:0",
+                                                      [f"{my_ip}:0"])
+        kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
+        assert kv is not None, "jax.distributed.initialize() sets it"
+        kv.key_value_set(f"jaxcpp/transfer/{index}", self._server.address())
+        self._prev = None
+        if index > 0:
+            self._prev = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{index - 1}",
+                                                                        300_000))
+        self._attention_free_ready: set[int] = set()
+        self._idle_since = 0.0
+        self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
+                         "layers": list(self.stage.layers)})
+
+    def _send(self, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
+        """Every message carries the stage's compile count, so the head knows it without asking."""
+        from jaxcpp.runtime import compile_guard
+
+        n = compile_guard.num_compilations() - self._compilations_at_start
+        wire.send(self.conn, {**header, "compilations": n}, arrays)
+
+    # ---- the control loop ----------------------------------------------------------------------
+    def loop(self) -> int:
+        handlers = {"step": self._step, "warmup": self._warmup, "attention_free": self._attention_free}
+        while True:
+            self._idle_since = time.perf_counter()  # waiting for the head: what follows is channel latency
+            try:
+                header, arrays = wire.recv(self.conn)
+            except (EOFError, OSError):
+                log.error("stage %d: the head's control channel closed; exiting", self.index)
+                os._exit(1)  # no jax shutdown barrier: the group is gone
+            if header["op"] == "stop":
+                self.conn.close()
+                os._exit(0)
+            try:
+                handlers[header["op"]](header, arrays)
+            except Exception as e:
+                log.exception("stage %d failed %s %s", self.index, header["op"], header.get("id"))
+                self._send({"op": "error", "id": header.get("id", -1), "message": repr(e)})
+                os._exit(1)
+
+    def _step(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        import jax
+
+        from jaxcpp.runtime.stage import StageInput
+
+        received = time.perf_counter()
+        ticket, num_tokens = header["id"], header["num_tokens"]
+        batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]))
+        pull_start = time.perf_counter()
+        hidden = self._pull(ticket, num_tokens) if self._prev is not None else None
+        jax.block_until_ready((batch.packed, hidden))
+        inputs_ready = time.perf_counter()
+        out = self.stage.run(batch, hidden)
+        jax.block_until_ready(out)
+        done = time.perf_counter()
+        self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
+                              "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
+                              "inputs_ready": inputs_ready,
+                              "start": inputs_ready, "done": done})
+        if not self.stage.is_last:
+            self._server.await_pull(ticket, out)
+            return
+        tokens, logits = out
+        result = [np.asarray(tokens)] if header["want_tokens"] else []
+        if header["want_logits"]:
+            result.append(np.asarray(logits))
+        self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
+                              "logits": header["want_logits"]}, result)
+
+    def _pull(self, ticket: int, num_tokens: int) -> Any:
+        import jax
+
+        aval = jax.ShapeDtypeStruct((num_tokens, self._hidden_size), self._dtype, sharding=self.stage.replicated)
+        return self._prev.pull(ticket, aval)  # type: ignore[union-attr]
+
+    def _zeros(self, num_tokens: int) -> Any:
+        import jax
+
+        if self.stage.is_first:
+            return None
+        return jax.device_put(np.zeros((num_tokens, self._hidden_size), self._dtype), self.stage.replicated)
+
+    def _put(self, num_tokens: int) -> Any:
+        import jax
+
+        from jaxcpp.runtime.stage import StageInput
+        from jaxcpp.step_input import pack, padding_step
+
+        buf, layout = pack(padding_step(num_tokens, self.shape))
+        return StageInput(jax.device_put(buf, self.stage.replicated), layout)
+
+    def _warmup(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Every bucket's program, compiled here while the other stages compile theirs."""
+        import jax
+
+        buckets = self.shape.token_buckets
+        for i, num_tokens in enumerate(buckets, 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
+            self._send({"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets),
+                                  "num_tokens": num_tokens, "seconds": time.perf_counter() - t0})
+        self._send({"op": "reply", "what": "warmup"})
+
+    def _attention_free(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """The calibration sweep's forward, timed around the model call with its inputs ready."""
+        import jax
+
+        num_tokens = header["num_tokens"]
+        batch, hidden = self._put(num_tokens), self._zeros(num_tokens)
+        if num_tokens not in self._attention_free_ready:  # compile (and run once) untimed
+            jax.block_until_ready(self.stage.run_attention_free(batch, hidden))
+            self._attention_free_ready.add(num_tokens)
+        jax.block_until_ready((batch.packed, hidden, self.stage.kv))
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.stage.run_attention_free(batch, hidden))
+        self._send({"op": "reply", "what": "attention_free", "seconds": time.perf_counter() - t0})
+
+
+def _layout(fields: list[list[Any]]) -> Any:
+    from jaxcpp.step_input import Field
+
+    return tuple(Field(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in fields)
+
+
+def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> Any:
+    """This stage's `Stage`, from the head's config: the same sizing plan, so pages and buckets agree."""
+    import jax
+
+    from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
+    from jaxcpp.kernels.backend import select_attention
+    from jaxcpp.models.checkpoint import load_stage_params
+    from jaxcpp.models.spec import resolve_model_spec
+    from jaxcpp.runtime.factory import enable_compilation_cache
+    from jaxcpp.runtime.mesh import make_mesh, stage_mesh
+    from jaxcpp.runtime.stage import Stage
+    from jaxcpp.sizing import EngineSizing
+
+    config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
+    enable_compilation_cache()
+    sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
+    layers = sizing.layers[index]
+    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
+    mesh = make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices())
+    stage = Stage(index, num_stages, stage_mesh(mesh, 0), sizing.spec.config, params, layers, sizing.num_pages,
+                  sizing.page_size, select_attention(config.model.attention_backend))
+    log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
+             layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
+    return stage, sizing.shape
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one jaxcpp pipeline stage (started by the head)")
+    parser.add_argument("--control", required=True, help="host:port of the head's control channel")
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("JAXCPP_STAGE_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s stage {args.stage} %(levelname)s %(name)s: %(message)s")
+    return serve_stage(args.control, args.stage, parent_pid=args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

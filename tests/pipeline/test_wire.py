@@ -1,0 +1,34 @@
+"""The stage control channel's framing: headers and arrays round-trip exactly, nothing is unpickled."""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Pipe
+
+import numpy as np
+
+from jaxcpp.runtime import wire
+
+
+def test_header_and_arrays_round_trip():
+    a, b = Pipe()
+    arrays = [np.arange(12, dtype=np.int32).reshape(3, 4), np.linspace(0, 1, 5, dtype=np.float32),
+              np.zeros((0, 7), np.float32), np.array(7, np.uint32)]
+    wire.send(a, {"op": "step", "id": 3, "flags": [True, False]}, arrays)
+    header, got = wire.recv(b)
+    assert header == {"op": "step", "id": 3, "flags": [True, False]}
+    assert len(got) == len(arrays)
+    for g, want in zip(got, arrays, strict=True):
+        assert g.dtype == want.dtype and g.shape == want.shape
+        np.testing.assert_array_equal(g, want)
+
+
+def test_a_pickle_is_not_executed():
+    """A peer that sends a pickle gets a parse error, never its code run (recv only reads JSON + bytes)."""
+    import pickle
+
+    import pytest
+
+    a, b = Pipe()
+    a.send_bytes(pickle.dumps({"op": "step"}))
+    with pytest.raises(Exception):  # noqa: B017 - any parse error; the point is that nothing ran
+        wire.recv(b)
