@@ -29,7 +29,7 @@ are at least 16 wide. The same code runs anywhere with `interpret=True`.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxcpp.kernels.metadata import AttentionMetadata
+
+Array = jax.Array
 
 DEFAULT_KV_BLOCK_TOKENS = 128  # KV positions visited per loop iteration of the reference
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(MASK - m) is 0, never NaN
@@ -104,7 +106,8 @@ def _pad_pages(page_indices: jax.Array, block_pages: int) -> jax.Array:
     return jnp.pad(page_indices, ((0, 0), (0, -page_indices.shape[1] % block_pages)))
 
 
-def _online_softmax_step(m, denom, acc, scores, mask, v, contract: str):
+def _online_softmax_step(m: Array, denom: Array, acc: Array, scores: Array, mask: Array, v: Array,
+                         contract: str) -> tuple[Array, Array, Array]:
     """Fold one block of fp32 scores (masked entries: anything) into the running max, denominator, sum."""
     scores = jnp.where(mask, scores, MASK_VALUE)
     m_new = jnp.maximum(m, scores.max(axis=-1))
@@ -114,7 +117,8 @@ def _online_softmax_step(m, denom, acc, scores, mask, v, contract: str):
     return m_new, denom, acc * correction[..., None] + jnp.einsum(contract, p, v)
 
 
-def _per_token_attention(qg, k_pages, v_pages, token_pages, kv_visible, *, block_pages: int):
+def _per_token_attention(qg: Array, k_pages: Array, v_pages: Array, token_pages: Array, kv_visible: Array, *,
+                         block_pages: int) -> Array:
     """Every token gathers its own pages, block by block, only as far as the longest `kv_visible`.
 
     qg: [N, kv_heads, group, head_dim] fp32, already scaled; token_pages: [N, P] each token's page
@@ -125,7 +129,7 @@ def _per_token_attention(qg, k_pages, v_pages, token_pages, kv_visible, *, block
     token_pages = _pad_pages(token_pages, block_pages)
     num_blocks = (jnp.max(kv_visible) + block_tokens - 1) // block_tokens
 
-    def body(state):
+    def body(state: Any) -> Any:
         i, m, denom, acc = state
         pages = lax.dynamic_slice_in_dim(token_pages, i * block_pages, block_pages, axis=1)
         k = k_pages[pages].reshape(n, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
@@ -174,19 +178,19 @@ def ragged_paged_attention_reference(
 
 
 def _kernel(
-    first_seq_ref,  # [num_q_blocks] int32: first sequence touching each query block
-    last_seq_ref,  # [num_q_blocks] int32: last one (first > last: the block is padding)
-    cu_q_lens_ref,  # [S + 1] int32
-    kv_lens_ref,  # [S] int32
-    page_indices_ref,  # [S, P'] int32, P' a multiple of pages_per_block
-    q_ref,  # [block_q, group, head_dim]
-    k_pages_ref,  # [num_pages, page_size, head_dim] (this program's KV head)
-    v_pages_ref,  # [num_pages, page_size, head_dim]
-    o_ref,  # [block_q, group, head_dim]
+    first_seq_ref: Any,  # [num_q_blocks] int32: first sequence touching each query block
+    last_seq_ref: Any,  # [num_q_blocks] int32: last one (first > last: the block is padding)
+    cu_q_lens_ref: Any,  # [S + 1] int32
+    kv_lens_ref: Any,  # [S] int32
+    page_indices_ref: Any,  # [S, P'] int32, P' a multiple of pages_per_block
+    q_ref: Any,  # [block_q, group, head_dim]
+    k_pages_ref: Any,  # [num_pages, page_size, head_dim] (this program's KV head)
+    v_pages_ref: Any,  # [num_pages, page_size, head_dim]
+    o_ref: Any,  # [block_q, group, head_dim]
     *,
     sm_scale: float,
     pages_per_block: int,
-):
+) -> None:
     block_q, group, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     rows, block_kv = block_q * group, pages_per_block * page_size
@@ -196,7 +200,7 @@ def _kernel(
     row_token = t0 + jnp.arange(rows, dtype=jnp.int32)[:, None] // group  # [rows, 1]
     kv_offsets = jnp.arange(block_kv, dtype=jnp.int32)[None, :]  # [1, block_kv]
 
-    def visit_sequence(s, carry):
+    def visit_sequence(s: Array, carry: Any) -> Any:
         q_start, q_end, kv_len = cu_q_lens_ref[s], cu_q_lens_ref[s + 1], kv_lens_ref[s]
         first_pos = kv_len - (q_end - q_start)  # position of the sequence's first new token
         lo, hi = jnp.maximum(q_start, t0), jnp.minimum(q_end, t0 + block_q)
@@ -205,7 +209,7 @@ def _kernel(
         in_seq = (row_token >= lo) & (row_token < hi)
         visible = jnp.where(in_seq, first_pos + row_token - q_start + 1, 0)  # [rows, 1]
 
-        def visit_kv_block(j, carry):
+        def visit_kv_block(j: Array, carry: Any) -> Any:
             m, denom, acc = carry
             pages = page_indices_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
             k = k_pages_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
@@ -366,7 +370,8 @@ DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill par
 DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
 
 
-def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: int):
+def _prefill_attention(qg: Array, k_pages: Array, v_pages: Array, md: AttentionMetadata, *, block_q: int,
+                       block_pages: int) -> Array:
     """Prefill tokens in query blocks; each block gathers each sequence it touches ONCE for all its tokens.
 
     qg: [T, kv_heads, group, head_dim] fp32, already scaled. For every block, the prefill sequences it
@@ -398,7 +403,7 @@ def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: i
     qb = qb.reshape(num_q_blocks, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     kv_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
-    def visit_sequence(state):
+    def visit_sequence(state: Any) -> Any:
         j, m, denom, acc = state
         s = first + j  # [blocks]
         active = s <= last
@@ -407,7 +412,7 @@ def _prefill_attention(qg, k_pages, v_pages, md, *, block_q: int, block_pages: i
         num_kv = (jnp.max(visible) + block_tokens - 1) // block_tokens
         block_pages_of = pages_of[jnp.clip(s, 0, num_seqs_padded - 1)]  # [blocks, P']
 
-        def visit_kv_block(inner):
+        def visit_kv_block(inner: Any) -> Any:
             i, m, denom, acc = inner
             pages = lax.dynamic_slice_in_dim(block_pages_of, i * block_pages, block_pages, axis=1)
             shape = (num_q_blocks, block_tokens, num_kv_heads, head_dim)
