@@ -87,7 +87,7 @@ class Soak:
             kind = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
             try:
                 await getattr(self, f"_{kind}")(client, rng)
-            except grpc.aio.AioRpcError as err:
+            except grpc.RpcError as err:  # jaxcpp.serving.ClientError, or grpc's own from raw stubs
                 self.outcome(kind, err.code().name)
             except Exception as exc:  # noqa: BLE001 - a client-side surprise is an unexpected outcome too
                 self.outcome(kind, f"client error {type(exc).__name__}")
