@@ -4,6 +4,7 @@ NOT_SERVING again as soon as a drain starts, while the calls in flight finish.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -131,41 +134,39 @@ def _statuses_until_serving(client: Client, proc: subprocess.Popen, timeout: flo
     raise AssertionError(f"never SERVING: saw {seen}, exit code {proc.poll()}")
 
 
-@pytest.mark.slow
-def test_jaxcpp_serve_answers_not_serving_during_the_compile_then_serving(tmp_path) -> None:
+@contextlib.contextmanager
+def _serve_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Client, Path]]:
+    """A `jaxcpp serve` subprocess on a free port, a client for it, and its log; killed if still running."""
     port = _free_port()
     log = tmp_path / "serve.log"
     proc = subprocess.Popen(_serve_cmd(port), stdout=subprocess.DEVNULL, stderr=log.open("w"),
                             env=os.environ.copy())
     try:
         with Client(f"127.0.0.1:{port}", timeout=5) as client:
-            seen = _statuses_until_serving(client, proc, timeout=300)
-            assert [s for s in seen if s != "NO_ANSWER"] == ["NOT_SERVING", "SERVING"], (seen, log.read_text())
-            assert "listening on" in log.read_text()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+            yield proc, client, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_jaxcpp_serve_answers_not_serving_during_the_compile_then_serving(tmp_path) -> None:
+    with _serve_process(tmp_path) as (proc, client, log):
+        seen = _statuses_until_serving(client, proc, timeout=300)
+        assert [s for s in seen if s != "NO_ANSWER"] == ["NOT_SERVING", "SERVING"], (seen, log.read_text())
+        assert "listening on" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
 
 
 @pytest.mark.slow
 def test_sigterm_during_warm_up_exits_0(tmp_path) -> None:
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen(_serve_cmd(port), stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                            env=os.environ.copy())
-    try:
-        with Client(f"127.0.0.1:{port}", timeout=5) as client:
-            deadline = time.monotonic() + 120
-            while "listening on" not in log.read_text():
-                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-                time.sleep(0.02)
-            assert client.health() == "NOT_SERVING"
+    with _serve_process(tmp_path) as (proc, client, log):
+        deadline = time.monotonic() + 120
+        while "listening on" not in log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.02)
+        assert client.health() == "NOT_SERVING"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
