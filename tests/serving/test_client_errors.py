@@ -43,7 +43,7 @@ def test_generate_and_stream_raise_client_error_naming_the_field(fake_client: Cl
 
 
 def test_a_message_without_a_field_leaves_field_none(serve) -> None:
-    server = serve(fake_engine(), max_queue_size=1)
+    server = serve(fake_engine(step_delay_s=0.01), max_queue_size=1)  # slow steps: the stream still runs
     with Client(f"127.0.0.1:{server.port}", timeout=30) as client:
         stream = client.stream("a", max_tokens=400)
         next(stream)
