@@ -144,10 +144,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return False
-        self._in_flight.append((sched, -1))  # so a failed submit still fails these requests
-        ticket = self.executor.submit(build_step_input(sched, self.sizing.shape), want_tokens=sched.samples,
-                                      want_logits=self.record_logits, ack=sched.ack)
-        self._in_flight[-1] = (sched, ticket)
+        try:
+            ticket = self.executor.submit(build_step_input(sched, self.sizing.shape), want_tokens=sched.samples,
+                                          want_logits=self.record_logits, ack=sched.ack)
+        except ExecutorError:
+            self._in_flight.append((sched, -1))  # never submitted, but its requests fail with those in flight
+            raise
+        self._in_flight.append((sched, ticket))
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
