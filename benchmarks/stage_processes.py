@@ -72,8 +72,8 @@ def record_chunks(llm) -> list[int]:  # type: ignore[no-untyped-def]
     seen: list[int] = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording():  # type: ignore[no-untyped-def]
-        out = schedule()
+    def recording(**kwargs):  # type: ignore[no-untyped-def]
+        out = schedule(**kwargs)
         seen.extend(c.num_tokens for c in out.chunks if c.start < len(c.seq.prompt_token_ids))
         return out
 

@@ -5,6 +5,11 @@ executor (`jaxcpp.executor`): step inputs go in, host arrays come back. With a p
 to P steps are in flight: the loop keeps submitting while the pipe has room and something can be
 scheduled, and collects the oldest step when the pipe is full or there is nothing new to send.
 
+Async scheduling (on by default, as in vLLM; `async_scheduling=False` turns it off) keeps one more
+step in flight: step k+1 is scheduled, built and submitted while step k still runs, and its decodes
+whose input token step k is sampling take it on the device (`Scheduler.schedule(feedback_from=)`), so
+the device does not wait through the host's schedule / build / postprocess between steps.
+
     LLMEngine(config)                      # plans sizes from the model folder, builds the real executor
     LLMEngine(config, executor=FakeExecutor(...))   # any executor: tests and tools, no jax needed
 
@@ -60,6 +65,8 @@ class LLMEngine:
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._depth = self.executor.max_in_flight + self.async_scheduling
         self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
         self._aborted: list[RequestOutput] = []
         self._seed_rng = random.Random(config.model.seed)
@@ -138,15 +145,17 @@ class LLMEngine:
         return outputs
 
     def _pipe_has_room(self) -> bool:
-        return len(self._in_flight) < self.executor.max_in_flight
+        return len(self._in_flight) < self._depth
 
     def _submit_next(self) -> bool:
-        sched = self.scheduler.schedule()
+        oldest = self._in_flight[0] if self.async_scheduling and self._in_flight else None
+        sched = self.scheduler.schedule(feedback_from=oldest[0].step_id if oldest else None)
         if sched.is_empty:
             return False
         try:
             ticket = self.executor.submit(build_step_input(sched, self.sizing.shape), want_tokens=sched.samples,
-                                          want_logits=self.record_logits, ack=sched.ack)
+                                          want_logits=self.record_logits, ack=sched.ack,
+                                          feedback_from=oldest[1] if oldest and sched.feeds_back else None)
         except ExecutorError:
             self._in_flight.append((sched, -1))  # never submitted, but its requests fail with those in flight
             raise
@@ -156,10 +165,13 @@ class LLMEngine:
         return True
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        sched, ticket = self._in_flight[0]
-        result = self.executor.collect(ticket)
-        self._check_tokens(sched, result)
-        self._in_flight.popleft()
+        sched, ticket = self._in_flight.popleft()
+        try:
+            result = self.executor.collect(ticket)
+            self._check_tokens(sched, result)
+        except ExecutorError:
+            self._in_flight.appendleft((sched, -1))  # the executor holds nothing more of it
+            raise
         sampled = self.scheduler.postprocess(sched, result, time.monotonic())
         self._stats.count_sampled(len(sampled))
         return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
@@ -182,7 +194,9 @@ class LLMEngine:
         now, outputs = time.monotonic(), []
         self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
         while self._in_flight:
-            sched, _ = self._in_flight.popleft()
+            sched, ticket = self._in_flight.popleft()
+            if ticket >= 0 and not error.fatal:
+                self._discard(ticket)  # the executor keeps running: take back what it still holds
             for chunk in sched.chunks:
                 if not chunk.seq.is_finished:
                     self.scheduler.finish(chunk.seq, "error", now)
@@ -190,6 +204,12 @@ class LLMEngine:
         if error.fatal:
             raise error
         return outputs
+
+    def _discard(self, ticket: int) -> None:
+        try:
+            self.executor.collect(ticket)
+        except ExecutorError as e:
+            log.error("a step in flight with the failed one failed too: %s", e)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,

@@ -1,15 +1,18 @@
 """The contract between the engine (host) and whatever runs the model. Host data both ways; no jax.
 
     seconds = executor.warmup(shape)            # compile every program the engine will use
-    ticket = executor.submit(step, want_tokens=True, want_logits=False, ack=False)
+    ticket = executor.submit(step, want_tokens=True, want_logits=False, ack=False, feedback_from=None)
     result = executor.collect(ticket)           # FIFO, numpy arrays only
     seconds = executor.time_attention_free_forward(num_tokens)   # the calibration sweep
     executor.num_compilations()                 # programs compiled since the executor was built
     executor.close()
 
-At most `max_in_flight` tickets are outstanding (the pipeline depth P). What crosses the contract:
+The pipe holds `max_in_flight` micro-batches (the pipeline depth P); one more may be outstanding, the
+step an async engine submits before it collects the oldest. What crosses the contract:
 
-    engine -> executor   StepInput (padded numpy arrays, a few KB) + three flags
+    engine -> executor   StepInput (padded numpy arrays, a few KB) + three flags, and `feedback_from`:
+                         a ticket still in flight whose sampled tokens this step's placeholder decodes
+                         read on the device (`StepInput.feedback_rows`), never through the host
     executor -> engine   StepResult: tokens [S] (unless want_tokens=False: a step of middle prefill
                          chunks samples nothing and is collected without waiting for the device),
                          logits [S, V] when asked at submit, and with `ack` each stage's StageTiming
@@ -78,7 +81,7 @@ class Executor(Protocol):
     def warmup(self, shape: StepShape) -> float: ...
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False) -> int: ...
+               ack: bool = False, feedback_from: int | None = None) -> int: ...
 
     def collect(self, ticket: int) -> StepResult: ...
 

@@ -12,12 +12,15 @@ latency model, each micro-batch takes
 on every stage, on a virtual clock where the P stages run micro-batches as a flow shop (stage s starts a
 batch when stage s-1 finished it and stage s finished the previous one): the timings `ack` returns are
 what a real pipeline would measure under that model. `step_delay_s` really sleeps in `collect`, for
-tests of a server under a slow engine. Shapes count as programs: a step whose shape was not warmed up
-counts as a compilation, so the compile guard means the same here as on a device.
+tests of a server under a slow engine. A step submitted with `feedback_from` reads its placeholder
+decodes' input tokens from that step's tokens and starts once that step has left the last stage.
+Shapes count as programs: a step whose shape was not warmed up counts as a compilation, so the
+compile guard means the same here as on a device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,7 +53,7 @@ class FakeExecutor:
         self.step_delay_s = step_delay_s
         self.vocab_size = vocab_size        # the width of the one-hot logits it returns when asked
         self.steps: list[StepInput] = []    # every step submitted after warm-up, for tests to inspect
-        self._pending: deque[tuple[int, StepResult, float]] = deque()
+        self._pending: deque[tuple[int, StepResult, float, np.ndarray]] = deque()  # + done, tokens
         self._next_ticket = 0
         self._stage_free = [0.0] * num_stages   # the virtual clock: when each stage is next idle
         self.clock = 0.0                        # when the last collected micro-batch left the last stage
@@ -77,9 +80,9 @@ class FakeExecutor:
         return 0.0
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False) -> int:
-        if len(self._pending) >= self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
+               ack: bool = False, feedback_from: int | None = None) -> int:
+        if len(self._pending) > self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
         shape = (step.num_tokens_padded, int(step.kv_lens.shape[0]))
         if shape not in self._programs:
             self._programs.add(shape)
@@ -87,16 +90,25 @@ class FakeExecutor:
         if self._warm:
             self.steps.append(step)
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-        tokens = self._tokens(step)
+        source = self._source(feedback_from)
+        tokens = self._tokens(self._with_fed_back_tokens(step, source[3]) if source else step)
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
         logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
-        timings = self._run_stages(ticket, step)
+        timings = self._run_stages(ticket, step, source[2] if source else 0.0)
         self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits, timings if ack else ()),
-                              timings[-1].done))
+                              timings[-1].done, tokens))
         return ticket
 
+    def _source(self, feedback_from: int | None) -> tuple[int, StepResult, float, np.ndarray] | None:
+        if feedback_from is None:
+            return None
+        source = next((p for p in self._pending if p[0] == feedback_from), None)
+        if source is None:
+            raise ValueError(f"feedback_from={feedback_from} is not in flight")
+        return source
+
     def collect(self, ticket: int) -> StepResult:
-        head, result, done = self._pending[0]
+        head, result, done, _ = self._pending[0]
         if head != ticket:
             raise ValueError(f"tickets are collected in FIFO order: expected {head}, got {ticket}")
         self._pending.popleft()
@@ -115,7 +127,14 @@ class FakeExecutor:
         pass
 
     # ---- internals -----------------------------------------------------------------------------
+    @staticmethod
+    def _with_fed_back_tokens(step: StepInput, fed_back: np.ndarray) -> StepInput:
+        """What the first stage sees: placeholder decodes' input tokens read from the step fed back."""
+        rows = step.feedback_rows
+        return dataclasses.replace(step, token_ids=np.where(rows >= 0, fed_back[np.maximum(rows, 0)], step.token_ids))
+
     def _tokens(self, step: StepInput) -> np.ndarray:
+        token_ids = step.token_ids
         tokens = np.zeros(step.kv_lens.shape, np.int32)
         for i in range(int(step.num_seqs)):
             row = int(step.logits_indices[i])
@@ -124,7 +143,7 @@ class FakeExecutor:
                 assert self.eos_token_id is not None, "eos_after needs eos_token_id"
                 tokens[i] = self.eos_token_id
             else:
-                tokens[i] = self.next_token(int(step.token_ids[row]), int(step.positions[row]), generated)
+                tokens[i] = self.next_token(int(token_ids[row]), int(step.positions[row]), generated)
         return tokens
 
     def step_seconds(self, step: StepInput) -> float:
@@ -137,9 +156,10 @@ class FakeExecutor:
         prefix = step.kv_lens[:n].astype(np.float64) - x
         return float(m.c + m.b * step.num_tokens_padded + np.sum(m.gamma * prefix + m.a * (2 * prefix * x + x * x)))
 
-    def _run_stages(self, ticket: int, step: StepInput) -> tuple[StageTiming, ...]:
+    def _run_stages(self, ticket: int, step: StepInput, fed_back_done: float) -> tuple[StageTiming, ...]:
+        """`fed_back_done`: a step that takes tokens from another starts once that one left the pipe."""
         seconds = self.step_seconds(step)
-        timings, ready = [], max(self._stage_free[0], self.clock)
+        timings, ready = [], max(self._stage_free[0], self.clock, fed_back_done)
         for s in range(self.num_stages):
             start = max(ready, self._stage_free[s])
             done = start + seconds

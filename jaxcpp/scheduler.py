@@ -9,6 +9,12 @@ A chunk advances its sequence's `num_computed_tokens` when it is scheduled; the 
 last token samples a token, and the sequence waits for it (`awaiting_token`) before its next step.
 With chunked prefill off a prompt must fit the budget whole and goes in one forward.
 
+Async scheduling: `schedule(feedback_from=k)` while step k is still on the device. A sequence whose
+only pending token is sampled by step k decodes anyway, with a placeholder: its chunk names the row of
+step k's tokens the first stage reads its input from (`feedback_row`), so the host never waits for a
+token it only passes back. Not when that token must be its last (max_tokens, max-model-len); if it
+turns out to be a stop, the extra token is dropped when it arrives and its pages are already free.
+
 Prefix caching (`jaxcpp.page_allocator`, `jaxcpp.prefix_cache`): a request is admitted with the longest
 prefix of whole pages the cache holds already computed, never its last token (whose logits sample the
 next one), so at most (num_tokens - 1) // page_size pages; chunks and the token budget count only the
@@ -129,6 +135,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order: the oldest is preempted last
         self.num_preemptions = 0
+        self.num_steps = 0
         self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
         self.prefix_hit_tokens = 0            # of those, tokens the cache gave
 
@@ -154,8 +161,10 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self, feedback_from: int | None = None) -> SchedulerOutput:
+        """The next step; `feedback_from`: a step still in flight whose tokens this one may take."""
+        out = SchedulerOutput(step_id=self.num_steps, feedback_from=feedback_from)
+        self.num_steps += 1
         self.chunk_sizer.observe_step(self._num_prefill_sources())
         budget_left = self.config.max_num_batched_tokens
         budget_left = self._schedule_decodes(out, budget_left)
@@ -174,8 +183,7 @@ class Scheduler:
                 continue  # a middle prefill chunk, or a request aborted while its step was in flight
             assert result.tokens is not None, "a step that samples was submitted without want_tokens"
             token = int(result.tokens[i])
-            seq.output_token_ids.append(token)
-            seq.awaiting_token = False
+            seq.receive_token(token)
             seq.metrics.record_token(now)
             if result.logits is not None:
                 seq.logits.append(result.logits[i])
@@ -210,14 +218,27 @@ class Scheduler:
         for seq in list(self.running):
             if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.awaiting_token or not seq.is_decode:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            placeholder = self._can_decode_pending(seq, out.feedback_from)
+            if not placeholder and (seq.awaiting_token or not seq.is_decode):
                 continue
             if not self._make_room(seq, 1, out):
                 continue  # seq itself was preempted
-            self._take(out, seq, 1)
+            self._take(out, seq, 1, feedback_row=seq.pending_row if placeholder else -1)
             out.num_decodes += 1
             budget_left -= 1
         return budget_left
+
+    def _can_decode_pending(self, seq: Sequence, feedback_from: int | None) -> bool:
+        """Its one pending token comes from the fed-back step, is the next to compute, and may not be
+        its last (a placeholder decode past max_tokens or the model's length would only be dropped)."""
+        if feedback_from is None or seq.num_pending != 1 or seq.pending_step != feedback_from:
+            return False
+        max_len = self.stop.max_model_len
+        return (seq.num_computed_tokens == seq.num_tokens
+                and len(seq.output_token_ids) + 1 < seq.params.max_tokens
+                and (max_len is None or seq.num_tokens + 1 < max_len))
 
     def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
                            admit: bool = False) -> int:
@@ -276,7 +297,8 @@ class Scheduler:
             return
         for chunk in sched.chunks:
             seq = chunk.seq
-            full = (chunk.start + chunk.num_tokens) // self.page_size
+            # A page is hashed by its tokens: one holding a token still on the device waits a step.
+            full = min(chunk.start + chunk.num_tokens, seq.num_tokens) // self.page_size
             if full <= seq.num_published_pages or seq.status is not SequenceStatus.RUNNING:
                 continue  # no page filled up (most decodes), or aborted since
             hashes = seq.page_hashes(full, self.page_size)
@@ -293,12 +315,13 @@ class Scheduler:
             return seq.num_remaining if seq.num_remaining <= budget_left else 0
         return min(self.chunk_sizer.prefill_chunk(seq, budget_left, step_tokens), seq.num_remaining, budget_left)
 
-    def _take(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> None:
+    def _take(self, out: SchedulerOutput, seq: Sequence, num_tokens: int, feedback_row: int = -1) -> None:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_tokens
-        samples = seq.num_computed_tokens == seq.num_tokens
-        seq.awaiting_token = samples
-        out.chunks.append(ScheduledChunk(seq, start, num_tokens, samples))
+        samples = feedback_row >= 0 or seq.num_computed_tokens == seq.num_tokens
+        if samples:
+            seq.expect_token(out.step_id, len(out.chunks))
+        out.chunks.append(ScheduledChunk(seq, start, num_tokens, samples, feedback_row))
 
     def _running_prefills(self) -> list[Sequence]:
         return [s for s in self.running if s.is_prefilling and not s.awaiting_token]

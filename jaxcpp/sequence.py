@@ -4,7 +4,10 @@ A sequence's tokens are its prompt followed by its outputs. `num_computed_tokens
 whose K/V a scheduled step will have written; the scheduler advances it when it *schedules* a chunk,
 so the next chunk of the same prompt can enter the pipeline before the previous one has left it.
 A step whose chunk reaches the last token samples one new token; until that token is back the
-sequence is `awaiting_token` and cannot be scheduled again.
+sequence is `awaiting_token` (`num_pending` tokens sampled on the device, not yet on the host).
+With async scheduling a decode may be scheduled while its input token is still pending: the step
+takes it on the device from the output of the step that samples it (`pending_step`, row
+`pending_row`), so `num_computed_tokens` runs one ahead of the tokens the host knows.
 
 With prefix caching a sequence is admitted with its cached prefix already computed: `pages[:n]` were
 found in the cache or published to it (`num_published_pages`), `admission_prefix` is how many tokens
@@ -39,7 +42,9 @@ class Sequence:
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    awaiting_token: bool = False
+    num_pending: int = 0                        # tokens scheduled to be sampled, not yet collected
+    pending_step: int = -1                      # the step that samples the newest pending token ...
+    pending_row: int = -1                       # ... and its row in that step's tokens
     finish_reason: str | None = None
     num_preemptions: int = 0
     logits: list[Any] = field(default_factory=list)  # per sampled token, only when the engine records them
@@ -54,8 +59,22 @@ class Sequence:
 
     @property
     def num_remaining(self) -> int:
-        """Tokens not yet scheduled for a forward pass."""
-        return self.num_tokens - self.num_computed_tokens
+        """Known tokens not yet scheduled for a forward pass (0 while a placeholder decode runs)."""
+        return max(0, self.num_tokens - self.num_computed_tokens)
+
+    @property
+    def awaiting_token(self) -> bool:
+        return self.num_pending > 0
+
+    def expect_token(self, step_id: int, row: int) -> None:
+        """A scheduled chunk of step `step_id` samples this sequence's next token, in row `row`."""
+        self.num_pending += 1
+        self.pending_step, self.pending_row = step_id, row
+
+    def receive_token(self, token: int) -> None:
+        """The oldest pending token is back on the host."""
+        self.output_token_ids.append(token)
+        self.num_pending -= 1
 
     @property
     def is_decode(self) -> bool:

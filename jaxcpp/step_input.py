@@ -31,6 +31,8 @@ class ScheduledChunk:
     start: int           # first token position of the chunk (the cached prefix length)
     num_tokens: int
     samples: bool        # the chunk reaches the sequence's last token, so the step samples one
+    feedback_row: int = -1  # >= 0: a decode whose input token is still on the device, sampled in
+                            # this row of the step it feeds back from (`SchedulerOutput.feedback_from`)
 
 
 @dataclass
@@ -39,6 +41,8 @@ class SchedulerOutput:
     num_decodes: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     ack: bool = False    # the chunk sizer needs this step's timing: the head waits for the last stage
+    step_id: int = 0     # the scheduler's count of steps
+    feedback_from: int | None = None  # the step whose tokens this one's placeholder decodes take
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +51,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def feeds_back(self) -> bool:
+        return any(c.feedback_row >= 0 for c in self.chunks)
 
     @property
     def samples(self) -> bool:
@@ -73,6 +81,8 @@ class StepInput:
     top_p: np.ndarray           # [S] float32
     seeds: np.ndarray           # [S] uint32
     steps: np.ndarray           # [S] int32: tokens the request has generated so far
+    feedback_rows: np.ndarray   # [T] int32: -1, or the row of the fed-back step's tokens to read this
+                                # token from (a decode whose input the host does not have yet)
 
     @property
     def num_tokens_padded(self) -> int:
@@ -104,7 +114,10 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
         seq, end = chunk.seq, offset + chunk.num_tokens
         pos = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int32)
         pages = np.asarray(seq.pages, np.int32)
-        step.token_ids[offset:end] = seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
+        if chunk.feedback_row >= 0:
+            step.feedback_rows[offset] = chunk.feedback_row  # its token id stays 0 on the host
+        else:
+            step.token_ids[offset:end] = seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
         step.positions[offset:end] = pos
         step.slot_mapping[offset:end] = pages[pos // ps] * ps + pos % ps
         step.cu_q_lens[i] = offset
@@ -114,7 +127,7 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
         p = seq.params
         step.temperature[i], step.top_k[i], step.top_p[i] = p.temperature, p.top_k, p.top_p
         step.seeds[i] = seq.seed & 0xFFFFFFFF
-        step.steps[i] = len(seq.output_token_ids)
+        step.steps[i] = len(seq.output_token_ids) + (chunk.feedback_row >= 0)  # + the pending token
         offset = end
     return step
 
@@ -129,7 +142,8 @@ def _padding(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
         num_seqs=np.zeros((), np.int32), num_decodes=np.zeros((), np.int32),
         logits_indices=np.zeros(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
         top_k=np.zeros(num_seqs, np.int32), top_p=np.ones(num_seqs, np.float32),
-        seeds=np.zeros(num_seqs, np.uint32), steps=np.zeros(num_seqs, np.int32))
+        seeds=np.zeros(num_seqs, np.uint32), steps=np.zeros(num_seqs, np.int32),
+        feedback_rows=np.full(num_tokens, -1, np.int32))
 
 
 # ---- packing: the host half ------------------------------------------------------------------------

@@ -329,15 +329,17 @@ class MultiProcessExecutor:
         return time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False) -> int:
+               ack: bool = False, feedback_from: int | None = None) -> int:
         self._raise_if_failed()
-        if len(self._pending) >= self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
+        if len(self._pending) > self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
+        if feedback_from is not None and all(p.ticket != feedback_from for p in self._pending):
+            raise ValueError(f"feedback_from={feedback_from} is not in flight")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         buf, layout = pack(step)
         header = {"op": "step", "id": ticket, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
-                  "want_tokens": want_tokens, "want_logits": want_logits}
+                  "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from}
         with self._lock:
             self._submit_times[ticket] = time.perf_counter()
         self._broadcast(header, [buf])

@@ -79,19 +79,20 @@ class PipelineExecutor:
         return time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False) -> int:
-        if len(self._pending) >= self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight} micro-batches already in flight: collect one first")
+               ack: bool = False, feedback_from: int | None = None) -> int:
+        if len(self._pending) > self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         records: list[DispatchedStage] = []
+        fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
         hidden: Any = None
         for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             try:
                 if hidden is not None:
                     hidden = stage.receive(hidden)
-                inputs = (batch.packed, hidden)
+                inputs = (batch.packed, hidden, fed_back)
                 dispatched = time.perf_counter()
-                hidden = stage.run(batch, hidden)
+                hidden = stage.run(batch, hidden, fed_back)  # only the first stage reads fed_back
             except Exception as e:  # a dispatch error (out of memory, a lost device) fails the step
                 raise ExecutorError(f"dispatching micro-batch {ticket} failed: {e}", stage=stage.index) from e
             records.append(DispatchedStage(ticket, stage.index, step.num_tokens_padded, ack, self._traced,
@@ -103,6 +104,15 @@ class PipelineExecutor:
         self._timing.watch(records)
         self._pending.append(_InFlight(ticket, out, want_tokens, want_logits, ack))
         return ticket
+
+    def _fed_back(self, feedback_from: int | None) -> Any:
+        """The tokens of a step still in flight, moved (asynchronously) to the first stage's devices."""
+        if feedback_from is None:
+            return None
+        source = next((p for p in self._pending if p.ticket == feedback_from), None)
+        if source is None:
+            raise ValueError(f"feedback_from={feedback_from} is not in flight")
+        return self.stages[0].receive_tokens(source.output.tokens)
 
     def collect(self, ticket: int) -> StepResult:
         head = self._pending.popleft()

@@ -5,6 +5,11 @@
     last stage:   activations -> layers[start:end] -> final norm -> logits at logits_indices -> sample
     (with P = 1 the one stage is both first and last)
 
+Async scheduling's token feedback: the last stage's tokens always have max_num_seqs rows, whatever the
+bucket, and the first stage takes such an array (`fed_back`: an earlier step's tokens, or zeros) and
+reads the input of every token with `feedback_rows >= 0` from it. One fixed shape, so feeding back
+adds no programs.
+
 Each stage jits its own program (one per token bucket, by shape); params are arguments (the stage's
 own slice, loaded by `jaxcpp.models.checkpoint.load_stage_params`), the step's arrays arrive packed in
 one buffer (`jaxcpp.step_input.pack`; every stage gets the same one), the KV
@@ -19,6 +24,8 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
@@ -31,7 +38,7 @@ from jaxcpp.step_input import Layout
 
 
 class StepOutput(NamedTuple):
-    tokens: jax.Array  # [S] int32: the sampled token of each sequence (padding rows: garbage)
+    tokens: jax.Array  # [S] int32 ([max_num_seqs] out of a stage): each sequence's token (padding: garbage)
     logits: jax.Array  # [S, V] float32: fetched only when the step asked for them
 
 
@@ -60,9 +67,11 @@ def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: Att
 
 class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
-                 layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn) -> None:
+                 layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn,
+                 max_num_seqs: int) -> None:
         """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`)."""
         self.index = index
+        self.max_num_seqs = max_num_seqs
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.mesh = mesh
         self.config = config
@@ -76,6 +85,7 @@ class Stage:
         num_layers = layers[1] - layers[0]
         make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
+        self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
 
@@ -90,15 +100,20 @@ class Stage:
                        out_shardings=(out, self._kv_shardings))
 
     def _forward(self, params: llama.Params, kv: llama.KVCache, hidden: jax.Array | None,
-                 packed: jax.Array, *, layout: Layout, attention_fn: AttentionFn
+                 packed: jax.Array, fed_back: jax.Array | None, *, layout: Layout, attention_fn: AttentionFn
                  ) -> tuple[Any, llama.KVCache]:
         batch = unpack(packed, layout)
         if self.is_first:
-            hidden = llama.embed(params, batch["token_ids"])  # [T, D]
+            assert fed_back is not None
+            rows = batch["feedback_rows"]
+            token_ids = jnp.where(rows >= 0, fed_back[jnp.maximum(rows, 0)], batch["token_ids"])
+            hidden = llama.embed(params, token_ids)  # [T, D]
         hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
                                       attention_fn)
         if self.is_last:
-            return logits_and_sample(params, hidden, batch, self.config), kv
+            out = logits_and_sample(params, hidden, batch, self.config)
+            tokens = jnp.zeros(self.max_num_seqs, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
+            return out._replace(tokens=tokens), kv
         return hidden, kv
 
     # ---- per micro-batch (all asynchronous) ----------------------------------------------------
@@ -106,9 +121,15 @@ class Stage:
         """The previous stage's activations, moved onto this stage's devices."""
         return jax.device_put(hidden, self.replicated)
 
-    def run(self, batch: StageInput, hidden: jax.Array | None) -> Any:
-        """Dispatch the stage's program; returns activations (or StepOutput on the last stage) at once."""
-        out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, layout=batch.layout)
+    def receive_tokens(self, tokens: jax.Array) -> jax.Array:
+        """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read."""
+        return jax.device_put(tokens, self.replicated)
+
+    def run(self, batch: StageInput, hidden: jax.Array | None, fed_back: jax.Array | None = None) -> Any:
+        """Dispatch the stage's program; returns activations (or StepOutput on the last stage) at once.
+        `fed_back` (first stage): the tokens placeholder decodes read their input from."""
+        out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, self._feedback(fed_back),
+                                     layout=batch.layout)
         return out
 
     def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
@@ -116,5 +137,9 @@ class Stage:
         if self._attention_free_program is None:
             self._attention_free_program = self._jit(zero_attention)
         out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
-                                                    layout=batch.layout)
+                                                    self._feedback(None), layout=batch.layout)
         return out
+
+    def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
+        """Only the first stage reads fed-back tokens; without any it reads zeros (no wait, same program)."""
+        return (self._no_feedback if fed_back is None else fed_back) if self.is_first else None

@@ -136,7 +136,7 @@ class StageWorker:
         self._compilations_at_start = compile_guard.num_compilations()
         self.conn = conn
         self.index = index
-        num_stages = setup["num_stages"]
+        num_stages = self._num_stages = setup["num_stages"]
         jax.distributed.initialize(setup["coordinator"], num_processes=num_stages, process_id=index,
                                    heartbeat_timeout_seconds=10)
         self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
@@ -147,10 +147,14 @@ class StageWorker:
         kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
         assert kv is not None, "jax.distributed.initialize() sets it"
         kv.key_value_set(f"jaxcpp/transfer/{index}", self._server.address())
-        self._prev = None
+        self._prev = self._last = None
         if index > 0:
             self._prev = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{index - 1}",
                                                                         300_000))
+        if index == 0 and num_stages > 1:  # async scheduling: the first stage reads the last's tokens
+            self._last = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{num_stages - 1}",
+                                                                        300_000))
+        self._recent_tokens: dict[int, Any] = {}  # last stage: tokens a later step may feed back
         self._attention_free_ready: set[int] = set()
         self._idle_since = 0.0
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
@@ -192,10 +196,11 @@ class StageWorker:
         ticket, num_tokens = header["id"], header["num_tokens"]
         batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]))
         pull_start = time.perf_counter()
+        fed_back = self._feedback(header["feedback_from"])
         hidden = self._pull(ticket, num_tokens) if self._prev is not None else None
-        jax.block_until_ready((batch.packed, hidden))
+        jax.block_until_ready((batch.packed, hidden, fed_back))
         inputs_ready = time.perf_counter()
-        out = self.stage.run(batch, hidden)
+        out = self.stage.run(batch, hidden, fed_back)
         jax.block_until_ready(out)
         done = time.perf_counter()
         self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
@@ -206,11 +211,30 @@ class StageWorker:
             self._server.await_pull(ticket, out)
             return
         tokens, logits = out
+        self._recent_tokens[ticket] = tokens
+        for old in [t for t in self._recent_tokens if t < ticket - self._num_stages]:
+            del self._recent_tokens[old]  # the head feeds back only from steps still in flight (<= P + 1)
         result = [np.asarray(tokens)] if header["want_tokens"] else []
         if header["want_logits"]:
             result.append(np.asarray(logits))
         self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
                               "logits": header["want_logits"]}, result)
+
+    def _feedback(self, source: int | None) -> Any:
+        """The fed-back step's tokens: the last stage offers them as it reads this step (it finished
+        `source` already); the first stage pulls them. With one stage they are at hand."""
+        if source is None or not (self.stage.is_first or self.stage.is_last):
+            return None
+        if self.stage.is_first and self._last is not None:
+            import jax
+
+            aval = jax.ShapeDtypeStruct((self.stage.max_num_seqs,), np.int32, sharding=self.stage.replicated)
+            return self._last.pull(source, aval)
+        tokens = self._recent_tokens.pop(source)
+        if self.stage.is_first:  # one stage: first and last
+            return tokens
+        self._server.await_pull(source, tokens)
+        return None
 
     def _pull(self, ticket: int, num_tokens: int) -> Any:
         import jax
@@ -287,7 +311,7 @@ def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> An
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
     mesh = make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices())
     stage = Stage(index, num_stages, stage_mesh(mesh, 0), sizing.spec.config, params, layers, sizing.num_pages,
-                  sizing.page_size, select_attention(config.model.attention_backend))
+                  sizing.page_size, select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
              layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing.shape

@@ -24,8 +24,7 @@ def finish_step(sched: Scheduler, out: SchedulerOutput, rng: random.Random) -> N
     """Stand-in for the device: every sampling chunk gets a token; finished requests retire."""
     for c in out.chunks:
         if c.samples and not c.seq.is_finished:
-            c.seq.output_token_ids.append(rng.randrange(100))
-            c.seq.awaiting_token = False
+            c.seq.receive_token(rng.randrange(100))
             if len(c.seq.output_token_ids) >= c.seq.params.max_tokens:
                 sched.finish(c.seq, "length")
 

@@ -22,8 +22,8 @@ def record_chunks(llm: LLM) -> list[list[int]]:
     seen: list[list[int]] = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording():
-        out = schedule()
+    def recording(**kwargs):
+        out = schedule(**kwargs)
         seen.append([c.num_tokens for c in out.chunks if c.start < len(c.seq.prompt_token_ids)])
         return out
 

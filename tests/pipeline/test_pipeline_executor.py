@@ -30,7 +30,7 @@ def a_step(executor, num_tokens: int = 64):
 
 def test_collect_retires_without_waiting_unless_asked(executor, monkeypatch):
     step = a_step(executor)
-    tickets = [executor.submit(step, want_tokens=False) for _ in range(executor.max_in_flight)]
+    tickets = [executor.submit(step, want_tokens=False) for _ in range(executor.max_in_flight + 1)]  # P + 1
     with pytest.raises(RuntimeError, match="already in flight"):
         executor.submit(step)
     with pytest.raises(ValueError, match="FIFO"):

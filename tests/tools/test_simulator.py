@@ -78,9 +78,11 @@ def test_calibration_end_to_end_installs_a_model_near_the_truth():
     assert controller.model.a == pytest.approx(TRUE.a, rel=0.05)
 
 
-def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline(async_scheduling):
     """One chunk-sizing protocol: the controller sizes a lone prompt the same way inside the real
-    engine (on a FakeExecutor's virtual flow shop) as inside `simulate`, and the TTFTs agree."""
+    engine (on a FakeExecutor's virtual flow shop) as inside `simulate`, and the TTFTs agree. Async
+    scheduling keeps one more micro-batch in flight than the P the pipe holds: so does the simulator."""
     from jaxcpp.config import EngineConfig
     from jaxcpp.engine import LLMEngine
     from jaxcpp.fake_executor import FakeExecutor
@@ -89,7 +91,7 @@ def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline():
     config = EngineConfig.from_kwargs(model="tiny", max_model_len=2048, max_num_batched_tokens=512, num_pages=200,
                                       pipeline_parallel_size=2, enable_dynamic_chunking=True,
                                       dynamic_chunking_min_chunk_size=64, dynamic_chunking_smooth_factor=1.0,
-                                      log_stats_interval_s=0)
+                                      log_stats_interval_s=0, async_scheduling=async_scheduling)
     fake = FakeExecutor(num_stages=2, latency=model)
     engine = LLMEngine(config, executor=fake)
     engine.chunking.install(model)
@@ -98,8 +100,8 @@ def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline():
 
     settings = ChunkSettings(budget=512, smooth_factor=1.0, min_chunk_size=64, pipeline_parallel_size=2,
                              allowed_sizes=tuple(engine.sizing.token_buckets))
-    sim = simulate(Pipeline(model, 2), DynamicChunkController(settings, model=model), 512,
-                   [SimRequest("lone", 0.0, 1900)])
+    sim = simulate(Pipeline(model, 2, max_in_flight=2 + async_scheduling),
+                   DynamicChunkController(settings, model=model), 512, [SimRequest("lone", 0.0, 1900)])
     assert engine_chunks == sim.chunks["lone"] and engine_chunks[0] == 512 and engine_chunks[1] < 512
     # The engine pays the padding of the last (remainder) chunk on each stage; the simulator does not.
     assert 0 <= ttft - sim.ttft["lone"] <= 2 * model.b * 63 + 1e-12
