@@ -25,12 +25,14 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import Executor, ExecutorError, StepResult
+from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.page_allocator import PageAllocator
@@ -69,6 +71,7 @@ class LLMEngine:
         self._depth = self.executor.max_in_flight + self.async_scheduling
         self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
         self._aborted: list[RequestOutput] = []
+        self._phases = PhaseRecorder()
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
@@ -140,6 +143,7 @@ class LLMEngine:
                 outputs += self._collect_oldest()
         except ExecutorError as error:
             outputs += self._fail_in_flight(error)
+        self.executor.record_host_phases(self._phases.take())
         if self._stats.due():
             self._stats.log(self.stats(), self.chunking.report())
         return outputs
@@ -149,13 +153,18 @@ class LLMEngine:
 
     def _submit_next(self) -> bool:
         oldest = self._in_flight[0] if self.async_scheduling and self._in_flight else None
-        sched = self.scheduler.schedule(feedback_from=oldest[0].step_id if oldest else None)
+        phase = self._phases.timer(self.scheduler.num_steps)
+        with phase("schedule"):
+            sched = self.scheduler.schedule(feedback_from=oldest[0].step_id if oldest else None)
         if sched.is_empty:
             return False
+        with phase("build"):
+            step = build_step_input(sched, self.sizing.shape)
         try:
-            ticket = self.executor.submit(build_step_input(sched, self.sizing.shape), want_tokens=sched.samples,
-                                          want_logits=self.record_logits, ack=sched.ack,
-                                          feedback_from=oldest[1] if oldest and sched.feeds_back else None)
+            with phase("dispatch"):
+                ticket = self.executor.submit(step, want_tokens=sched.samples, want_logits=self.record_logits,
+                                              ack=sched.ack,
+                                              feedback_from=oldest[1] if oldest and sched.feeds_back else None)
         except ExecutorError:
             self._in_flight.append((sched, -1))  # never submitted, but its requests fail with those in flight
             raise
@@ -166,15 +175,18 @@ class LLMEngine:
 
     def _collect_oldest(self) -> list[RequestOutput]:
         sched, ticket = self._in_flight.popleft()
+        phase = self._phases.timer(sched.step_id)
         try:
-            result = self.executor.collect(ticket)
+            with phase("wait"):
+                result = self.executor.collect(ticket)
             self._check_tokens(sched, result)
         except ExecutorError:
             self._in_flight.appendleft((sched, -1))  # the executor holds nothing more of it
             raise
-        sampled = self.scheduler.postprocess(sched, result, time.monotonic())
-        self._stats.count_sampled(len(sampled))
-        return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+        with phase("postprocess"):
+            sampled = self.scheduler.postprocess(sched, result, time.monotonic())
+            self._stats.count_sampled(len(sampled))
+            return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
 
     def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Garbage from a device must not become a request's output: ids outside the vocabulary fail the
@@ -244,6 +256,30 @@ class LLMEngine:
                          m.num_hidden_layers, m.hidden_size, m.dtype, self.sizing.page_size,
                          c.scheduler.max_num_batched_tokens, c.parallel.pipeline_parallel_size,
                          c.parallel.tensor_parallel_size, self.sizing.eos_token_ids)
+
+
+class PhaseRecorder:
+    """The engine loop's own time, phase by phase (`HostPhase`), handed to the executor's trace."""
+
+    def __init__(self) -> None:
+        self._done: list[HostPhase] = []
+
+    def timer(self, step: int) -> Callable[[str], AbstractContextManager[None]]:
+        """`with timer("build"): ...` records that phase of step `step`."""
+
+        @contextmanager
+        def phase(name: str) -> Iterator[None]:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._done.append(HostPhase(name, step, start, time.perf_counter()))
+
+        return phase
+
+    def take(self) -> list[HostPhase]:
+        done, self._done = self._done, []
+        return done
 
 
 def _device_side() -> Any:

@@ -5,6 +5,7 @@
     result = executor.collect(ticket)           # FIFO, numpy arrays only
     seconds = executor.time_attention_free_forward(num_tokens)   # the calibration sweep
     executor.num_compilations()                 # programs compiled since the executor was built
+    executor.record_host_phases(phases)         # the engine loop's own time, for the trace
     executor.close()
 
 The pipe holds `max_in_flight` micro-batches (the pipeline depth P); one more may be outstanding, the
@@ -65,6 +66,16 @@ class StepResult:
         return max(t.forward for t in self.timings) if self.timings else None
 
 
+@dataclass(frozen=True)
+class HostPhase:
+    """Where the engine loop's own time went: one phase of one step (perf_counter seconds)."""
+
+    name: str             # schedule, build, dispatch, wait or postprocess
+    step: int             # the scheduler's step id
+    start: float
+    end: float
+
+
 class ExecutorError(RuntimeError):
     """A stage or device failed a micro-batch. `fatal`: the executor cannot run further steps."""
 
@@ -90,5 +101,9 @@ class Executor(Protocol):
         ...
 
     def num_compilations(self) -> int: ...
+
+    def record_host_phases(self, phases: list[HostPhase]) -> None:
+        """The engine loop's phases of one `step()`, for the trace (`--trace-file`); may ignore them."""
+        ...
 
     def close(self) -> None: ...

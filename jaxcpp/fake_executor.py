@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.executor import StageTiming, StepResult
+from jaxcpp.executor import HostPhase, StageTiming, StepResult
 from jaxcpp.step_input import StepInput, StepShape
 
 # (last token id, its position, tokens the sequence generated so far) -> the next token
@@ -53,6 +53,7 @@ class FakeExecutor:
         self.step_delay_s = step_delay_s
         self.vocab_size = vocab_size        # the width of the one-hot logits it returns when asked
         self.steps: list[StepInput] = []    # every step submitted after warm-up, for tests to inspect
+        self.host_phases: deque[HostPhase] = deque(maxlen=100_000)  # what the engine reported of its time
         self._pending: deque[tuple[int, StepResult, float, np.ndarray]] = deque()  # + done, tokens
         self._next_ticket = 0
         self._stage_free = [0.0] * num_stages   # the virtual clock: when each stage is next idle
@@ -122,6 +123,9 @@ class FakeExecutor:
 
     def num_compilations(self) -> int:
         return self._compilations
+
+    def record_host_phases(self, phases: list[HostPhase]) -> None:
+        self.host_phases.extend(phases)
 
     def close(self) -> None:
         pass

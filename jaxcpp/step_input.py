@@ -4,9 +4,11 @@ Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The b
 token bucket T and the sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
 the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
 padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
+A decode whose input token is still on the device (async scheduling) is sent as token 0 with
+`feedback_rows` naming the row of the fed-back step's tokens that the first stage reads instead.
 
 `pack` is the host half of moving a step: every field viewed as int32 and concatenated into one
-buffer, so each stage receives one transfer, not 14 (`device_put` costs tens of microseconds per array
+buffer, so each stage receives one transfer, not 15 (`device_put` costs tens of microseconds per array
 whatever its size). `jaxcpp.runtime.packing.unpack` cuts it apart inside the jitted program; the
 layout (names, shapes, dtypes) follows from the bucket, so it adds no programs.
 """

@@ -43,7 +43,7 @@ from multiprocessing.connection import Listener
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.executor import ExecutorError, StageTiming, StepResult
+from jaxcpp.executor import ExecutorError, HostPhase, StageTiming, StepResult
 from jaxcpp.runtime import wire
 from jaxcpp.runtime.stage_process import CONTROL_KEY_ENV, control_key
 from jaxcpp.runtime.trace import TraceWriter
@@ -377,6 +377,11 @@ class MultiProcessExecutor:
             raise RuntimeError("time_attention_free_forward() needs warmup() first (it fixes the shapes)")
         self._broadcast({"op": "attention_free", "num_tokens": num_tokens})
         return max(float(self._reply(ln, "attention_free")["seconds"]) for ln in self.links)
+
+    def record_host_phases(self, phases: list[HostPhase]) -> None:
+        if self._trace is not None and self._traced:
+            for phase in phases:
+                self._trace.add_host(phase)
 
     def num_compilations(self) -> int:
         """Programs compiled in every stage process since it started: each stage counts its own and

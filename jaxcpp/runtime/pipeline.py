@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcpp.executor import ExecutorError, StageTiming, StepResult
+from jaxcpp.executor import ExecutorError, HostPhase, StageTiming, StepResult
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.stage import Stage, StageInput, StepOutput
 from jaxcpp.runtime.timing import DispatchedStage, TimingRecorder
@@ -141,6 +141,11 @@ class PipelineExecutor:
             self._attention_free_forward(step)
             self._attention_free_ready.add(num_tokens)
         return max(self._attention_free_forward(step))
+
+    def record_host_phases(self, phases: list[HostPhase]) -> None:
+        if self._trace is not None and self._traced:
+            for phase in phases:
+                self._trace.add_host(phase)
 
     def num_compilations(self) -> int:
         return compile_guard.num_compilations() - self._compilations_at_start

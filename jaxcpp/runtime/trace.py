@@ -2,6 +2,8 @@
 
 One row (thread) per stage, one complete event ("ph": "X") per micro-batch and stage spanning its
 forward (see `jaxcpp.runtime.timing`), so the pipeline and its bubbles are the gaps between boxes.
+Below them a "host" row holds the engine loop's phases of every step (schedule, build, dispatch,
+wait, postprocess; `jaxcpp.executor.HostPhase`), so a reader sees which gaps the host caused.
 Open the file in https://ui.perfetto.dev or chrome://tracing.
 
 Events are streamed as the watcher threads produce them, in the JSON Array Format, whose closing `]`
@@ -17,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from jaxcpp.executor import StageTiming
+from jaxcpp.executor import HostPhase, StageTiming
 
 FLUSH_EVERY = 64  # events; the file is also flushed on close
 
@@ -34,10 +36,11 @@ class TraceWriter:
         self._file.write("[\n")
         self._write({"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "jaxcpp pipeline"}},
                     first=True)
-        for stage, name in enumerate(stage_names):
-            self._write({"ph": "M", "pid": 0, "tid": stage, "name": "thread_name", "args": {"name": name}})
-            self._write({"ph": "M", "pid": 0, "tid": stage, "name": "thread_sort_index",
-                         "args": {"sort_index": stage}})
+        self._host_row = len(stage_names)
+        for row, name in enumerate([*stage_names, "host: engine loop"]):
+            self._write({"ph": "M", "pid": 0, "tid": row, "name": "thread_name", "args": {"name": name}})
+            self._write({"ph": "M", "pid": 0, "tid": row, "name": "thread_sort_index",
+                         "args": {"sort_index": row}})
         atexit.register(self.close)
 
     def _us(self, t: float) -> float:
@@ -52,6 +55,12 @@ class TraceWriter:
             "args": {"ticket": t.ticket, "stage": t.stage, "num_tokens": t.num_tokens,
                      "dispatched_us": self._us(t.dispatched), "inputs_ready_us": self._us(t.inputs_ready)},
         })
+
+    def add_host(self, phase: HostPhase) -> None:
+        self._write({"ph": "X", "pid": 0, "tid": self._host_row, "cat": "host",
+                     "name": f"{phase.name} {phase.step}", "ts": self._us(phase.start),
+                     "dur": round((phase.end - phase.start) * 1e6, 3),
+                     "args": {"phase": phase.name, "step": phase.step}})
 
     def _write(self, event: dict[str, Any], first: bool = False) -> None:
         with self._lock:

@@ -154,3 +154,19 @@ def test_async_outputs_equal_sync_outputs(requests, num_stages, num_pages, stops
     event(f"fed back: {fed_back_tokens(fake) > 0}")
     event(f"preempted: {engine.stats().num_preemptions_total > 0}")
     event(f"stopped: {any(o.finish_reason == 'stop' for o in got.values())}")
+
+
+def test_the_engine_reports_each_steps_host_phases():
+    """`--trace-file`'s host row: schedule, build, dispatch, wait, postprocess of every step, and with
+    async scheduling step k+1's dispatch comes before step k's wait."""
+    fake = FakeExecutor()
+    engine = make_engine(fake)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    drain(engine)
+    by_step: dict[int, dict[str, object]] = {}
+    for p in fake.host_phases:
+        by_step.setdefault(p.step, {})[p.name] = p
+    submitted = [s for s in by_step.values() if "dispatch" in s]
+    assert len(submitted) == len(fake.steps) == 4
+    assert all(list(s) == ["schedule", "build", "dispatch", "wait", "postprocess"] for s in submitted)
+    assert by_step[1]["dispatch"].end <= by_step[0]["wait"].start  # submitted before the previous was collected

@@ -93,8 +93,9 @@ def test_long_prompt_chunks_overlap_on_different_stages(make_pp_llm, random_mode
 
     events = json.loads(trace.read_text())
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    assert sorted(names) == [0, 1, 2, 3] and names[3].startswith("stage 3: layers 4-5")
-    boxes = {(e["args"]["ticket"], e["tid"]): e for e in events if e["ph"] == "X"}
+    assert sorted(names) == [0, 1, 2, 3, 4] and names[3].startswith("stage 3: layers 4-5")
+    assert names[4] == "host: engine loop"
+    boxes = {(e["args"]["ticket"], e["tid"]): e for e in events if e.get("cat") == "forward"}
     tickets = sorted({t for t, _ in boxes})
     assert all((t, s) in boxes for t in tickets for s in range(4))  # warm-up is not traced
     chunks = [t for t in tickets if boxes[(t, 0)]["args"]["num_tokens"] == 128]
@@ -110,3 +111,17 @@ def test_long_prompt_chunks_overlap_on_different_stages(make_pp_llm, random_mode
     assert overlapping, "no chunk entered stage 0 before the previous one left the last stage"
     for t in tickets:  # each micro-batch goes through the stages in order
         assert all(boxes[(t, s)]["ts"] >= end(boxes[(t, s - 1)]) - 0.01 for s in range(1, 4))
+
+    # The host row: every step's phases, in the order the loop runs them.
+    phases: dict[int, dict[str, dict]] = {}
+    for e in events:
+        if e.get("cat") == "host":
+            assert e["tid"] == 4
+            phases.setdefault(e["args"]["step"], {})[e["args"]["phase"]] = e
+    submitted = [step for step in phases.values() if "dispatch" in step]
+    assert len(submitted) == len(tickets)
+    assert all(list(step) == ["schedule"] for step in phases.values() if "dispatch" not in step)  # empty
+    order = ["schedule", "build", "dispatch", "wait", "postprocess"]
+    for step in submitted:
+        assert [p for p in order if p in step] == order
+        assert all(end(step[a]) <= step[b]["ts"] + 0.01 for a, b in zip(order, order[1:], strict=False))
