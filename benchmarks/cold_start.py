@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/cold_start.py --runs 3 --serve-args "--max-num-batched-tokens 2048"
     .venv/bin/python benchmarks/cold_start.py --baseline main      # + serve with main's ladder and attention
     .venv/bin/python benchmarks/cold_start.py --profile             # where the cold start goes, in-process
-    .venv/bin/python benchmarks/cold_start.py --profile --concurrent-compile 2   # + a concurrent prototype
+    .venv/bin/python benchmarks/cold_start.py --profile --concurrent-compile 2   # + 2 buckets at a time
     .venv/bin/python benchmarks/cold_start.py --profile --baseline main  # + the attention path at `main`
 
 Default mode: each run starts `jaxcpp serve` with JAXCPP_COMPILATION_CACHE_DIR pointed at a fresh
@@ -18,9 +18,8 @@ revision REV, everything else current.
 `--profile`: builds the engine in this process (what `serve` does before it listens) with JAX's
 monitoring events attached, on a fresh cache, and splits the start-up into import, model load,
 tracing (jaxpr), lowering (to StableHLO), XLA compile, and the rest (running the warm-up steps, cache
-writes, host work). `--concurrent-compile N` also times a prototype that lowers and compiles every
-bucket's program in N threads (`jax.jit(...).lower(...).compile()`, which fills the persistent cache)
-before the engine's own warm-up, which then only reads the cache. `--baseline REV` also profiles a
+writes, host work). `--concurrent-compile N` also profiles the engine's warm-up compiling N buckets at
+a time (JAXCPP_COMPILE_THREADS=N; the sequential run sets it to 1). `--baseline REV` also profiles a
 start-up whose XLA attention path is the one of git revision REV (what a kernel change costs in compile
 time).
 """
@@ -170,42 +169,6 @@ class CompileEvents:
             self.counts[name] += 1
 
 
-def precompile_concurrently(engine_config, threads: int) -> float:
-    """Prototype: lower + compile every bucket's stage program in `threads` threads; returns seconds.
-
-    Builds the same one-stage executor the engine builds and lowers its jitted program with committed
-    inputs, as `submit` passes them, so the programs land in the persistent cache under the keys the
-    engine's warm-up then looks up (default serve flags: one stage)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import jax
-
-    from jaxcpp.models.spec import resolve_model_spec
-    from jaxcpp.runtime import factory
-    from jaxcpp.sizing import EngineSizing
-    from jaxcpp.step_input import pack, padding_step
-
-    spec = resolve_model_spec(engine_config.model.model, factory.resolve_dtype(engine_config.model.dtype))
-    sizing = EngineSizing.plan(engine_config, spec)
-    executor = factory.build_executor(engine_config, sizing)
-    (stage,) = executor.stages
-
-    def compile_bucket(num_tokens: int) -> float:
-        t0 = time.perf_counter()
-        buf, layout = pack(padding_step(num_tokens, sizing.shape))
-        packed = jax.device_put(buf, stage.replicated)  # committed, as submit passes it
-        stage._program.lower(stage.params, stage.kv, None, packed, layout=layout).compile()
-        return time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(compile_bucket, sizing.token_buckets))
-    seconds = time.perf_counter() - t0
-    executor.close()
-    jax.clear_caches()  # the warm-up must find the programs in the persistent cache, not in memory
-    return seconds
-
-
 def profile_child(args: argparse.Namespace) -> None:
     """One in-process start-up on the (fresh) cache in JAXCPP_COMPILATION_CACHE_DIR; prints JSON."""
     t0 = time.perf_counter()
@@ -223,22 +186,20 @@ def profile_child(args: argparse.Namespace) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     engine_config = engine_config_from_args(parser.parse_args(["--model", "tiny", *shlex.split(args.serve_args)]))
-    precompile_s = 0.0
-    if args.concurrent_compile:
-        precompile_s = precompile_concurrently(engine_config, args.concurrent_compile)
     from jaxcpp.engine import LLMEngine
 
     t1 = time.perf_counter()
     engine = LLMEngine(engine_config)
     build = time.perf_counter() - t1
-    print(json.dumps({"import_s": imported, "precompile_s": precompile_s, "engine_s": build,
+    print(json.dumps({"import_s": imported, "engine_s": build,
                       "warmup_s": engine.warmup_seconds, "buckets": engine.sizing.token_buckets,
                       "events_s": dict(events.seconds), "event_counts": dict(events.counts)}))
 
 
 def run_profile_child(args: argparse.Namespace, concurrent: int, baseline: str | None) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="jaxcpp-cold-start-") as cache_dir:
-        env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": cache_dir}
+        env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": cache_dir,
+               "JAXCPP_COMPILE_THREADS": str(max(1, concurrent))}
         cmd = [sys.executable, __file__, "--profile-child", "--serve-args", args.serve_args,
                "--concurrent-compile", str(concurrent), *(["--baseline", baseline] if baseline else [])]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
@@ -247,14 +208,14 @@ def run_profile_child(args: argparse.Namespace, concurrent: int, baseline: str |
 
 def print_profile(name: str, p: dict[str, object]) -> None:
     ev = p["events_s"]
-    startup = p["import_s"] + p["precompile_s"] + p["engine_s"]
+    startup = p["import_s"] + p["engine_s"]
     phases = {"trace": ev.get("trace", 0.0), "lower": ev.get("lower", 0.0), "compile": ev.get("compile", 0.0),
               "cache read": ev.get("cache read", 0.0)}
     rest = startup - p["import_s"] - sum(phases.values())
     row = " ".join(f"{k} {v:.1f}s" for k, v in phases.items())
     print(f"{name}: start-up {startup:.1f}s = import {p['import_s']:.1f}s, {row}, rest {rest:.1f}s "
-          f"(programs compiled: {p['event_counts'].get('compile', 0)}; concurrent precompile "
-          f"{p['precompile_s']:.1f}s, engine {p['engine_s']:.1f}s of which warm-up {p['warmup_s']:.1f}s)")
+          f"(programs compiled: {p['event_counts'].get('compile', 0)}; engine {p['engine_s']:.1f}s of which "
+          f"warm-up {p['warmup_s']:.1f}s)")
 
 
 def run_profile_mode(args: argparse.Namespace) -> dict[str, object]:
@@ -273,7 +234,7 @@ def run_profile_mode(args: argparse.Namespace) -> dict[str, object]:
             print_profile(name, p)
     print()
     for name, runs in results.items():
-        total = statistics.median(r["import_s"] + r["precompile_s"] + r["engine_s"] for r in runs)
+        total = statistics.median(r["import_s"] + r["engine_s"] for r in runs)
         print(f"median start-up, {name}: {total:.1f}s over {len(runs)} run(s)")
     return results
 

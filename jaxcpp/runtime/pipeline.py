@@ -18,8 +18,10 @@ Chrome/Perfetto trace. The contract is `jaxcpp.executor`; see docs/pipeline.md.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,9 @@ from jaxcpp.runtime.trace import TraceWriter
 from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
 
 log = logging.getLogger(__name__)
+
+# Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
+COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
 
 
 @dataclass
@@ -64,19 +69,33 @@ class PipelineExecutor:
 
     # ---- the Executor contract -----------------------------------------------------------------
     def warmup(self, shape: StepShape) -> float:
-        """Compile every stage's program for every bucket (and the transfers between stages) now."""
+        """Compile every stage's program for every bucket, `COMPILE_THREADS` buckets at a time, then run
+        each bucket once through the whole pipe (the transfers between stages, the host reads)."""
         self._shape = shape
         buckets = shape.token_buckets
-        log.info("compiling %d programs on %d stage(s), one per token bucket %s ...", len(buckets),
-                 len(self.stages), buckets)
+        threads = min(COMPILE_THREADS, len(buckets))
+        log.info("compiling %d programs on %d stage(s), one per token bucket %s, %d at a time ...",
+                 len(buckets), len(self.stages), buckets, threads)
         start = time.perf_counter()
-        for i, num_tokens in enumerate(shape.token_buckets, 1):
-            t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads, thread_name_prefix="jaxcpp-compile") as pool:
+            sampler = pool.submit(self.stages[-1].compile_sampler)
+            for i, (num_tokens, seconds) in enumerate(pool.map(self._compile_bucket, buckets), 1):
+                log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets),
+                         len(self.stages), num_tokens, seconds)
+            sampler.result()
+        for num_tokens in buckets:
             self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True))
-            log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(shape.token_buckets),
-                     len(self.stages), num_tokens, time.perf_counter() - t0)
         self._traced = True
+        log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
         return time.perf_counter() - start
+
+    def _compile_bucket(self, num_tokens: int) -> tuple[int, float]:
+        assert self._shape is not None
+        start = time.perf_counter()
+        buf, layout = pack(padding_step(num_tokens, self._shape))
+        for stage in self.stages:
+            stage.compile(layout, buf.shape[0], num_tokens)
+        return num_tokens, time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None) -> int:

@@ -2,13 +2,17 @@
 
     first stage:  token ids -> embed -> layers[start:end] -> activations
     middle stage: activations -> layers[start:end] -> activations
-    last stage:   activations -> layers[start:end] -> final norm -> logits at logits_indices -> sample
+    last stage:   activations -> layers[start:end] -> final norm -> logits at logits_indices
+                  -> (a second program) sample
     (with P = 1 the one stage is both first and last)
 
-Async scheduling's token feedback: the last stage's tokens always have max_num_seqs rows, whatever the
-bucket, and the first stage takes such an array (`fed_back`: an earlier step's tokens, or zeros) and
-reads the input of every token with `feedback_rows >= 0` from it. One fixed shape, so feeding back
-adds no programs.
+The last stage's bucket program ends at the logits, padded with the sampling parameters to
+max_num_seqs rows, whatever the bucket; one sampler program then draws the tokens. The sampler
+(sorts for top-k / top-p, a threefry draw per row) is about a third of a bucket program's XLA compile
+time on CPU, so compiling it once instead of into every bucket cuts the cold start. The fixed shape
+also serves async scheduling's token feedback: the first stage takes a [max_num_seqs] token array
+(`fed_back`: an earlier step's tokens, or zeros) and reads the input of every token with
+`feedback_rows >= 0` from it, so feeding back adds no programs either.
 
 Each stage jits its own program (one per token bucket, by shape); params are arguments (the stage's
 own slice, loaded by `jaxcpp.models.checkpoint.load_stage_params`), the step's arrays arrive packed in
@@ -38,21 +42,39 @@ from jaxcpp.step_input import Layout
 
 
 class StepOutput(NamedTuple):
-    tokens: jax.Array  # [S] int32 ([max_num_seqs] out of a stage): each sequence's token (padding: garbage)
-    logits: jax.Array  # [S, V] float32: fetched only when the step asked for them
+    tokens: jax.Array  # [max_num_seqs] int32: each sequence's token (rows past the batch: garbage)
+    logits: jax.Array  # [max_num_seqs, V] float32: fetched only when the step asked for them
+
+
+class SamplerInput(NamedTuple):
+    """What the last stage's bucket program hands the sampler program: max_num_seqs rows each."""
+
+    logits: jax.Array       # [W, V] float32
+    temperature: jax.Array  # [W]
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+
+
+SAMPLING_FIELDS = SamplerInput._fields[1:]
 
 
 def attention_metadata(batch: dict[str, jax.Array]) -> AttentionMetadata:
     return AttentionMetadata(*(batch[name] for name in AttentionMetadata._fields))
 
 
-def logits_and_sample(params: llama.Params, hidden: jax.Array, batch: dict[str, jax.Array],
-                      config: LlamaConfig) -> StepOutput:
-    """The step's tail: each sequence's last hidden state ([T, D] -> [S, D]) -> logits -> a token."""
+def last_logits(params: llama.Params, hidden: jax.Array, batch: dict[str, jax.Array], config: LlamaConfig,
+                rows: int) -> SamplerInput:
+    """Each sequence's last hidden state ([T, D] -> [S, D]) -> logits, and its sampling parameters, padded
+    from S to `rows` rows (padding rows: zeros, so greedy)."""
     logits = llama.compute_logits(params, hidden[batch["logits_indices"]], config)
-    tokens = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                    batch["seeds"], batch["steps"])
-    return StepOutput(tokens, logits)
+    fields = [logits, *(batch[name] for name in SAMPLING_FIELDS)]
+    return SamplerInput(*(jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) for x in fields))
+
+
+def sample_tokens(inputs: SamplerInput) -> StepOutput:
+    return StepOutput(sample(*inputs), inputs.logits)
 
 
 class StageInput(NamedTuple):
@@ -81,12 +103,13 @@ class Stage:
         self.replicated = NamedSharding(mesh, REPLICATED)
         kv_sharding = NamedSharding(mesh, kv_spec(config, tp))
         self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding)
-        dtype = jax.tree_util.tree_leaves(params)[0].dtype
+        dtype = self._dtype = jax.tree_util.tree_leaves(params)[0].dtype
         num_layers = layers[1] - layers[0]
         make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
+        self._sampler = jax.jit(sample_tokens, out_shardings=StepOutput(self.replicated, self.replicated))  # type: ignore[arg-type]
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
 
     @property
@@ -94,7 +117,7 @@ class Stage:
         return list(self.mesh.devices.flat)
 
     def _jit(self, attention_fn: AttentionFn) -> Any:
-        out: Any = StepOutput(self.replicated, self.replicated) if self.is_last else self.replicated  # type: ignore[arg-type]
+        out: Any = SamplerInput(*[self.replicated] * 6) if self.is_last else self.replicated  # type: ignore[arg-type]
         fn = functools.partial(self._forward, attention_fn=attention_fn)
         return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
                        out_shardings=(out, self._kv_shardings))
@@ -111,15 +134,33 @@ class Stage:
         hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
                                       attention_fn)
         if self.is_last:
-            out = logits_and_sample(params, hidden, batch, self.config)
-            tokens = jnp.zeros(self.max_num_seqs, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
-            return out._replace(tokens=tokens), kv
+            return last_logits(params, hidden, batch, self.config, self.max_num_seqs), kv
         return hidden, kv
 
     # ---- per micro-batch (all asynchronous) ----------------------------------------------------
     def receive(self, hidden: jax.Array) -> jax.Array:
         """The previous stage's activations, moved onto this stage's devices."""
         return jax.device_put(hidden, self.replicated)
+
+    def compile(self, batch_layout: Layout, packed_size: int, num_tokens: int) -> None:
+        """Lower and compile the program for one bucket without running it. Safe in threads (XLA's
+        compile releases the GIL) and it fills the jit's cache, so the first real call compiles nothing."""
+        def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+        hidden = None if self.is_first else spec((num_tokens, self.config.hidden_size), self._dtype)
+        self._program.lower(self.params, self.kv, hidden, spec((packed_size,), np.int32), self._feedback(None),
+                            layout=batch_layout).compile()
+
+    def compile_sampler(self) -> None:
+        """The one sampler program (last stage), like `compile`: shared by every bucket."""
+        if self.is_last:
+            w, v = self.max_num_seqs, self.config.vocab_size
+            dtypes = (np.float32, np.float32, np.int32, np.float32, np.uint32, np.int32)
+            shapes = ((w, v), *[(w,)] * 5)
+            specs: Any = [jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+                          for shape, dtype in zip(shapes, dtypes, strict=True)]
+            self._sampler.lower(SamplerInput(*specs)).compile()
 
     def receive_tokens(self, tokens: jax.Array) -> jax.Array:
         """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read."""
@@ -130,7 +171,7 @@ class Stage:
         `fed_back` (first stage): the tokens placeholder decodes read their input from."""
         out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, self._feedback(fed_back),
                                      layout=batch.layout)
-        return out
+        return self._sampler(out) if self.is_last else out
 
     def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
@@ -138,7 +179,7 @@ class Stage:
             self._attention_free_program = self._jit(zero_attention)
         out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
                                                     self._feedback(None), layout=batch.layout)
-        return out
+        return self._sampler(out) if self.is_last else out
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
         """Only the first stage reads fed-back tokens; without any it reads zeros (no wait, same program)."""
