@@ -105,32 +105,40 @@ def padding_step(num_tokens: int, shape: StepShape) -> StepInput:
 
 
 def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
+    """Per-sequence values gathered into lists and written once per field (a decode step of 64
+    sequences is 64 one-token chunks: per-chunk numpy calls would dominate the host's step)."""
     num_tokens = pad_to_bucket(sched.num_tokens, shape.token_buckets)
     step = _padding(num_tokens, seq_bucket(num_tokens, shape.max_num_seqs), shape.pages_per_seq)
-    step.cu_q_lens[:] = sched.num_tokens
-    step.num_seqs[...] = len(sched.chunks)
+    chunks, n, total = sched.chunks, len(sched.chunks), sched.num_tokens
+    step.num_seqs[...] = n
     step.num_decodes[...] = sched.num_decodes
-    ps = shape.page_size
-    offset = 0
-    for i, chunk in enumerate(sched.chunks):
-        seq, end = chunk.seq, offset + chunk.num_tokens
-        pos = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int32)
-        pages = np.asarray(seq.pages, np.int32)
-        if chunk.feedback_row >= 0:
-            step.feedback_rows[offset] = chunk.feedback_row  # its token id stays 0 on the host
+    lens = np.array([c.num_tokens for c in chunks], np.int32)
+    starts = np.array([c.start for c in chunks], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    step.cu_q_lens[:] = total
+    step.cu_q_lens[:n] = offsets[:-1]
+    step.kv_lens[:n] = starts + lens
+    step.logits_indices[:n] = offsets[1:] - 1
+    token_ids: list[int] = []
+    for i, c in enumerate(chunks):
+        step.page_indices[i, : len(c.seq.pages)] = c.seq.pages
+        if c.feedback_row >= 0:
+            token_ids.append(0)  # read on the device from the fed-back step's tokens
+            step.feedback_rows[offsets[i]] = c.feedback_row
         else:
-            step.token_ids[offset:end] = seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
-        step.positions[offset:end] = pos
-        step.slot_mapping[offset:end] = pages[pos // ps] * ps + pos % ps
-        step.cu_q_lens[i] = offset
-        step.kv_lens[i] = chunk.start + chunk.num_tokens
-        step.page_indices[i, : len(pages)] = pages
-        step.logits_indices[i] = end - 1
-        p = seq.params
-        step.temperature[i], step.top_k[i], step.top_p[i] = p.temperature, p.top_k, p.top_p
-        step.seeds[i] = seq.seed & 0xFFFFFFFF
-        step.steps[i] = len(seq.output_token_ids) + (chunk.feedback_row >= 0)  # + the pending token
-        offset = end
+            token_ids += c.seq.token_ids(c.start, c.start + c.num_tokens)
+    params = [c.seq.params for c in chunks]
+    step.temperature[:n] = [p.temperature for p in params]
+    step.top_k[:n] = [p.top_k for p in params]
+    step.top_p[:n] = [p.top_p for p in params]
+    step.seeds[:n] = [c.seq.seed & 0xFFFFFFFF for c in chunks]
+    step.steps[:n] = [len(c.seq.output_token_ids) + (c.feedback_row >= 0) for c in chunks]  # + the pending one
+    row = np.repeat(np.arange(n), lens)
+    pos = np.repeat(starts - offsets[:-1], lens) + np.arange(total, dtype=np.int32)
+    ps = shape.page_size
+    step.token_ids[:total] = token_ids
+    step.positions[:total] = pos
+    step.slot_mapping[:total] = step.page_indices[row, pos // ps] * ps + pos % ps
     return step
 
 

@@ -3,12 +3,18 @@
 Each row draws with the key fold_in(PRNGKey(seed), step), where `step` is how many tokens the request
 has generated: the same seed gives the same tokens whatever batch the request shares, and a request
 preempted and recomputed draws the same tokens again.
+
+On the CPU backend the sorts of top-k / top-p and the per-row threefry draw cost several times the
+rest of a small model's decode step, so a batch runs only what its rows ask for (`lax.cond`, data,
+not shape: still one program): all-greedy batches take the argmax alone, and the sorts run only when
+some sampling row sets top-k or top-p.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def sample(
@@ -20,11 +26,17 @@ def sample(
     steps: jax.Array,        # [S] int32
 ) -> jax.Array:              # [S] int32
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    masked = _mask_top_p(_mask_top_k(scaled, top_k), top_p)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    sampling = temperature > 0
+
+    def draw(_: None) -> jax.Array:
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        truncates = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0)))
+        masked = lax.cond(truncates, lambda x: _mask_top_p(_mask_top_k(x, top_k), top_p), lambda x: x, scaled)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
+        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(sampling, drawn, greedy)
+
+    return lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
 
 
 def _mask_top_k(logits: jax.Array, top_k: jax.Array) -> jax.Array:
