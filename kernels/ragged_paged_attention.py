@@ -434,6 +434,37 @@ def _prefill_attention(qg: Array, k_pages: Array, v_pages: Array, md: AttentionM
     return out[:num_tokens]
 
 
+DECODE_GROUP_ROWS = 8  # decode rows per group of the XLA path: each group loops to its own longest row
+
+
+def _decode_attention(qg: Array, k_pages: Array, v_pages: Array, page_indices: Array, kv_visible: Array, *,
+                      block_pages: int) -> Array:
+    """The reference's per-token gather for decode rows, with rows sorted by context length and cut into
+    groups of `DECODE_GROUP_ROWS`, each looping over KV blocks only as far as its own longest row. The
+    pages gathered then follow the rows' real contexts (sum over rows, not rows x the longest), and
+    padding rows (context 0) gather nothing. Every row meets the same blocks in the same order as in
+    the reference, so its result does not depend on the rows beside it."""
+    n = qg.shape[0]
+    group = min(DECODE_GROUP_ROWS, n)
+    padded = -(-n // group) * group
+    order = jnp.argsort(kv_visible)  # [n]
+    rows = jnp.pad(order, (0, padded - n))  # padding slots repeat row 0 with nothing visible
+    visible = jnp.pad(kv_visible[order], (0, padded - n))
+    q_sorted, pages_sorted = qg[rows], page_indices[rows]
+
+    def visit_group(g: Array, out: Array) -> Array:  # one compiled body, whatever the group count
+        start = g * group
+        def take(x: Array) -> Array:
+            return lax.dynamic_slice_in_dim(x, start, group)
+
+        part = _per_token_attention(take(q_sorted), k_pages, v_pages, take(pages_sorted), take(visible),
+                                    block_pages=block_pages)
+        return lax.dynamic_update_slice_in_dim(out, part, start, axis=0)
+
+    sorted_out = lax.fori_loop(0, padded // group, visit_group, jnp.zeros_like(q_sorted))[:n]
+    return jnp.zeros_like(sorted_out).at[order].set(sorted_out)
+
+
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -459,8 +490,7 @@ def ragged_paged_attention_xla(
     # Decodes: the first S tokens, each its own sequence (token i is sequence i); the rest see nothing.
     n = min(md.kv_lens.shape[0], num_tokens)
     kv_visible = jnp.where(jnp.arange(n) < md.num_decodes, md.kv_lens[:n], 0)
-    decode = _per_token_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible,
-                                  block_pages=block_pages)
+    decode = _decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible, block_pages=block_pages)
     prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages)
     out = prefill.at[:n].add(decode)  # disjoint: each part gives the other's tokens 0
     return out.reshape(q.shape).astype(q.dtype)
