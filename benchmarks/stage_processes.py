@@ -52,7 +52,8 @@ def write_model(folder: Path, hidden: int, layers: int, heads: int, kv_heads: in
 def engine(model: str, **kw: object):  # type: ignore[no-untyped-def]
     from jaxcpp import LLM
 
-    return LLM(model=model, dtype="float32", log_stats_interval_s=0, **kw)
+    # No prefix cache: every repetition sends the same prompt and must prefill it from the start.
+    return LLM(model=model, dtype="float32", log_stats_interval_s=0, enable_prefix_caching=False, **kw)
 
 
 def prompt(n: int, seed: int) -> list[int]:
