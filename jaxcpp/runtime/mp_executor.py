@@ -21,7 +21,8 @@ One reader thread per stage receives what the stage sends (timings, the last sta
 replies); a closed connection means the stage process ended, and every waiting or later call raises
 `ExecutorError(stage=s)` naming how it ended (for a spawned stage, its exit code or signal): within
 milliseconds of the death, well inside the 2 s the contract asks. The stages run their micro-batches
-in submission order and each blocks on its own output, so up to P micro-batches are in flight.
+in submission order and each blocks on its own output, so up to P micro-batches are in flight (P + 1
+outstanding with async scheduling, whose fed-back tokens the first stage pulls from the last).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The in-process executor: P stages on a ("pp", "tp") mesh, up to P micro-batches in flight (P = 1 too).
+"""The in-process executor: P stages on a ("pp", "tp") mesh, P micro-batches in flight (+1 queued; P = 1 too).
 
     ticket = executor.submit(step)     # the step packed once, put on every stage in one device_put,
                                        # then stage 0 .. P-1 dispatched in order, activations handed
