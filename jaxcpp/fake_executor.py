@@ -138,7 +138,6 @@ class FakeExecutor:
         return dataclasses.replace(step, token_ids=np.where(rows >= 0, fed_back[np.maximum(rows, 0)], step.token_ids))
 
     def _tokens(self, step: StepInput) -> np.ndarray:
-        token_ids = step.token_ids
         tokens = np.zeros(step.kv_lens.shape, np.int32)
         for i in range(int(step.num_seqs)):
             row = int(step.logits_indices[i])
@@ -147,7 +146,7 @@ class FakeExecutor:
                 assert self.eos_token_id is not None, "eos_after needs eos_token_id"
                 tokens[i] = self.eos_token_id
             else:
-                tokens[i] = self.next_token(int(token_ids[row]), int(step.positions[row]), generated)
+                tokens[i] = self.next_token(int(step.token_ids[row]), int(step.positions[row]), generated)
         return tokens
 
     def step_seconds(self, step: StepInput) -> float:

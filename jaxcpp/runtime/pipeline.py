@@ -78,11 +78,9 @@ class PipelineExecutor:
                  len(buckets), len(self.stages), buckets, threads)
         start = time.perf_counter()
         with ThreadPoolExecutor(threads, thread_name_prefix="jaxcpp-compile") as pool:
-            sampler = pool.submit(self.stages[-1].compile_sampler)
             for i, (num_tokens, seconds) in enumerate(pool.map(self._compile_bucket, buckets), 1):
                 log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets),
                          len(self.stages), num_tokens, seconds)
-            sampler.result()
         for num_tokens in buckets:
             self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True))
         self._traced = True

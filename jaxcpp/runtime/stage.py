@@ -25,6 +25,7 @@ axis so the next stage can take them with one `device_put`. The model code is th
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -110,6 +111,7 @@ class Stage:
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         self._sampler = jax.jit(sample_tokens, out_shardings=StepOutput(self.replicated, self.replicated))  # type: ignore[arg-type]
+        self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
 
     @property
@@ -149,18 +151,14 @@ class Stage:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
         hidden = None if self.is_first else spec((num_tokens, self.config.hidden_size), self._dtype)
-        self._program.lower(self.params, self.kv, hidden, spec((packed_size,), np.int32), self._feedback(None),
-                            layout=batch_layout).compile()
-
-    def compile_sampler(self) -> None:
-        """The one sampler program (last stage), like `compile`: shared by every bucket."""
-        if self.is_last:
-            w, v = self.max_num_seqs, self.config.vocab_size
-            dtypes = (np.float32, np.float32, np.int32, np.float32, np.uint32, np.int32)
-            shapes = ((w, v), *[(w,)] * 5)
-            specs: Any = [jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
-                          for shape, dtype in zip(shapes, dtypes, strict=True)]
-            self._sampler.lower(SamplerInput(*specs)).compile()
+        lowered = self._program.lower(self.params, self.kv, hidden, spec((packed_size,), np.int32),
+                                      self._feedback(None), layout=batch_layout)
+        lowered.compile()
+        if self.is_last:  # the sampler takes what every bucket program gives it: compile it once
+            with self._sampler_lock:
+                if not self._sampler_compiled:
+                    self._sampler.lower(lowered.out_info[0]).compile()
+                    self._sampler_compiled = True
 
     def receive_tokens(self, tokens: jax.Array) -> jax.Array:
         """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read."""
