@@ -209,10 +209,13 @@ class Scheduler:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.stop.eos_token_ids):
             return "stop"
+        return "length" if self._at_length(seq) else None
+
+    def _at_length(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Done by length (its max_tokens, or the model's) once `ahead` more tokens are back."""
         max_len = self.stop.max_model_len
-        if len(seq.output_token_ids) >= p.max_tokens or (max_len is not None and seq.num_tokens >= max_len):
-            return "length"
-        return None
+        return (len(seq.output_token_ids) + ahead >= seq.params.max_tokens
+                or (max_len is not None and seq.num_tokens + ahead >= max_len))
 
     def _schedule_decodes(self, out: SchedulerOutput, budget_left: int) -> int:
         for seq in list(self.running):
@@ -235,10 +238,7 @@ class Scheduler:
         its last (a placeholder decode past max_tokens or the model's length would only be dropped)."""
         if feedback_from is None or seq.num_pending != 1 or seq.pending_step != feedback_from:
             return False
-        max_len = self.stop.max_model_len
-        return (seq.num_computed_tokens == seq.num_tokens
-                and len(seq.output_token_ids) + 1 < seq.params.max_tokens
-                and (max_len is None or seq.num_tokens + 1 < max_len))
+        return seq.num_computed_tokens == seq.num_tokens and not self._at_length(seq, ahead=1)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
                            admit: bool = False) -> int:
