@@ -46,6 +46,7 @@ SMALL_SCENARIOS = {
 TINY_MODEL_SCENARIOS = {
     "decode-64@512-2k": ([1] * 64, list(np.linspace(512, 2047, 64, dtype=int)), 64, 64, 2048),
     "decode-64@128-272": ([1] * 64, list(np.linspace(128, 271, 64, dtype=int)), 64, 64, 2048),
+    "decode-64@200": ([1] * 64, [200] * 64, 64, 64, 2048),  # the decode-heavy workload: contexts alike
     "decode-16@512-2k": ([1] * 16, list(np.linspace(512, 2047, 16, dtype=int)), 64, 64, 2048),
     "mixed-32+448": ([1] * 32 + [448], list(np.linspace(512, 2047, 32, dtype=int)) + [1024], 512, 64, 2048),
     "prefill-512@1k": ([512], [1024], 512, 64, 2048),
