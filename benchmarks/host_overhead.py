@@ -9,9 +9,8 @@ busy intervals come from the pipeline executor's per-stage watchers (`StageTimin
 part of each gap between one step's end and the next step's start before the host had dispatched the
 next step; "other gaps" is the rest (inputs not yet on the device: the step's buffer, the fed-back
 tokens, and the watcher thread's own wake-up latency, which the CPU backend cannot tell apart). The
-engine loop's own
-phases (`HostPhase`: schedule, build, dispatch, wait, postprocess) are summed per step. Medians of
-`--repeat` runs; the runs of both modes alternate so machine load falls on both alike.
+engine loop's own phases (`HostPhase`: schedule, build, dispatch, wait, postprocess) are summed per
+step. Medians of `--repeat` runs; the runs of both modes alternate so machine load falls on both alike.
 """
 
 from __future__ import annotations
