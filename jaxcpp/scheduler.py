@@ -248,6 +248,8 @@ class Scheduler:
             if not admit and seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             if admit:
+                if seq.awaiting_token:
+                    break  # preempted with a token in flight: its recompute needs that token
                 chunk = self._admit(seq, budget_left, out.num_tokens)
                 if chunk == 0:
                     break  # new prompts wait for pages rather than evict running work
@@ -332,11 +334,13 @@ class Scheduler:
 
     # ---- preemption by recompute ---------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Free pages for `seq` by preempting the newest idle sequences; False if `seq` was the victim."""
+        """Free pages for `seq` by preempting the newest sequences not in this step; False if `seq` was
+        the victim. A victim may still have a token in flight (async scheduling): the steps in flight
+        finish with its pages before any later step's new owner writes them, the token is kept when it
+        arrives, and the victim is re-admitted only after that (`_schedule_prefills`)."""
         while not self.allocator.can_allocate(seq.pages_needed(num_tokens, self.page_size)):
             scheduled = {id(c.seq) for c in out.chunks}  # only when pages ran out: decodes are the hot path
-            victim = next((s for s in reversed(self.running)
-                           if id(s) not in scheduled and not s.awaiting_token), None)
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
             if victim is None:
                 return False
             self._preempt(victim, out)

@@ -107,6 +107,40 @@ def test_an_abort_while_a_placeholder_is_in_flight_frees_everything():
     assert engine.stats().num_pages_used == 0
 
 
+def test_page_pressure_preempts_the_same_victims_as_sync():
+    """The newest sequence not in the step is the victim even with its token in flight (with async
+    every running decode has one): the oldest request must not preempt itself instead. Same finish
+    order and per-request preemptions as sync; the token in flight is kept, then recomputed."""
+
+    def run(async_scheduling: bool) -> tuple[list[str], dict[str, int], int]:
+        engine = make_engine(FakeExecutor(), num_pages=7, max_model_len=96, max_num_seqs=8,
+                             async_scheduling=async_scheduling)
+        preempt, in_flight = engine.scheduler._preempt, []
+
+        def recording_preempt(seq, out):  # type: ignore[no-untyped-def]
+            in_flight.append(seq.awaiting_token)
+            preempt(seq, out)
+
+        engine.scheduler._preempt = recording_preempt
+        prompts = [[1] * 14, [2] * 6, [3] * 10, [4] * 2]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+        seqs = dict(engine.scheduler.requests)
+        order = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    assert out.token_ids == FakeExecutor.expected_tokens(prompts[int(out.request_id[1])], 60)
+                    order.append(out.request_id)
+        return order, {r: s.num_preemptions for r, s in seqs.items()}, sum(in_flight)
+
+    sync_order, sync_preemptions, _ = run(False)
+    order, preemptions, victims_with_token_in_flight = run(True)
+    assert order == sync_order == ["r0", "r1", "r2", "r3"]
+    assert preemptions == sync_preemptions and preemptions["r0"] == 0
+    assert victims_with_token_in_flight > 0
+
+
 def test_flag_and_keyword_turn_it_off():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
