@@ -5,9 +5,12 @@ has generated: the same seed gives the same tokens whatever batch the request sh
 preempted and recomputed draws the same tokens again.
 
 On the CPU backend the sorts of top-k / top-p and the per-row threefry draw cost several times the
-rest of a small model's decode step, so a batch runs only what its rows ask for (`lax.cond`, data,
-not shape: still one program): all-greedy batches take the argmax alone, and the sorts run only when
-some sampling row sets top-k or top-p.
+rest of a small model's decode step, so there a batch runs only what its rows ask for (`lax.cond`,
+data, not shape: still one program): all-greedy batches take the argmax alone, and the sorts run only
+when some sampling row sets top-k or top-p. Elsewhere every batch runs all of it: a GPU conditional
+copies its predicate to the host and waits for it, a host sync per step that would undo async
+scheduling. Either way a row's token is the same: the masks are exact no-ops on rows that do not ask
+for them (top_k 0, top_p 1), so a row never depends on the rows beside it.
 """
 
 from __future__ import annotations
@@ -28,15 +31,21 @@ def sample(
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = temperature > 0
 
-    def draw(_: None) -> jax.Array:
+    def draw(truncate: bool) -> jax.Array:
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        truncates = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0)))
-        masked = lax.cond(truncates, lambda x: _mask_top_p(_mask_top_k(x, top_k), top_p), lambda x: x, scaled)
+        masked = _mask_top_p(_mask_top_k(scaled, top_k), top_p) if truncate else scaled
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(sampling, drawn, greedy)
 
-    return lax.cond(jnp.any(sampling), draw, lambda _: greedy, None)
+    if jax.default_backend() != "cpu":  # a device conditional would sync the host (module docstring)
+        return draw(truncate=True)
+    truncates = jnp.any(sampling & ((top_k > 0) | (top_p < 1.0)))
+
+    def draw_some() -> jax.Array:
+        return lax.cond(truncates, lambda: draw(True), lambda: draw(False))
+
+    return lax.cond(jnp.any(sampling), draw_some, lambda: greedy)
 
 
 def _mask_top_k(logits: jax.Array, top_k: jax.Array) -> jax.Array:
@@ -52,6 +61,7 @@ def _mask_top_p(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     probs = jax.nn.softmax(descending, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-    keep = mass_before < top_p[:, None]
+    # top_p 1 keeps every token (the rounded cumulative mass may pass 1 before the tail).
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     threshold = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits < threshold, -jnp.inf, logits)

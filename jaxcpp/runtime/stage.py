@@ -74,8 +74,9 @@ def last_logits(params: llama.Params, hidden: jax.Array, batch: dict[str, jax.Ar
     return SamplerInput(*(jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) for x in fields))
 
 
-def sample_tokens(inputs: SamplerInput) -> StepOutput:
-    return StepOutput(sample(*inputs), inputs.logits)
+def sample_tokens(inputs: SamplerInput) -> jax.Array:
+    """Tokens only: passing the logits through a jit output would copy them every step."""
+    return sample(*inputs)
 
 
 class StageInput(NamedTuple):
@@ -110,7 +111,7 @@ class Stage:
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
-        self._sampler = jax.jit(sample_tokens, out_shardings=StepOutput(self.replicated, self.replicated))  # type: ignore[arg-type]
+        self._sampler = jax.jit(sample_tokens, out_shardings=self.replicated)
         self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
 
@@ -169,7 +170,7 @@ class Stage:
         `fed_back` (first stage): the tokens placeholder decodes read their input from."""
         out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, self._feedback(fed_back),
                                      layout=batch.layout)
-        return self._sampler(out) if self.is_last else out
+        return self._output(out)
 
     def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
@@ -177,7 +178,11 @@ class Stage:
             self._attention_free_program = self._jit(zero_attention)
         out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
                                                     self._feedback(None), layout=batch.layout)
-        return self._sampler(out) if self.is_last else out
+        return self._output(out)
+
+    def _output(self, out: Any) -> Any:
+        """Activations, or on the last stage the sampled tokens beside the bucket program's logits."""
+        return StepOutput(self._sampler(out), out.logits) if self.is_last else out
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
         """Only the first stage reads fed-back tokens; without any it reads zeros (no wait, same program)."""
