@@ -112,6 +112,12 @@ class MultiProcessExecutor:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._results: dict[int, tuple[dict[str, Any], list[Any]]] = {}
         self._discard: set[int] = set()
+        # Async scheduling across processes: the last stage offers each sampled step's tokens to the
+        # first as soon as it has them; the first pulls the one a step feeds back from, and drains
+        # the offers no step will read (steps collected without being fed back from).
+        self._offers_tokens = self.num_stages > 1 and config.scheduler.async_scheduling
+        self._offered: set[int] = set()
+        self._to_drain: list[int] = []
         self._partial: dict[int, dict[int, StageTiming]] = {}
         self._acked: dict[int, tuple[StageTiming, ...]] = {}
         self._history: collections.deque[StageTiming] = collections.deque(maxlen=MAX_KEPT)
@@ -338,9 +344,15 @@ class MultiProcessExecutor:
             raise ValueError(f"feedback_from={feedback_from} is not in flight")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         buf, layout = pack(step)
+        offer = self._offers_tokens and want_tokens
+        self._offered.discard(feedback_from)
         header = {"op": "step", "id": ticket, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
-                  "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from}
+                  "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
+                  "offer_tokens": offer, "drain_tokens": self._to_drain}
+        self._to_drain = []
+        if offer:
+            self._offered.add(ticket)
         with self._lock:
             self._submit_times[ticket] = time.perf_counter()
         self._broadcast(header, [buf])
@@ -352,6 +364,9 @@ class MultiProcessExecutor:
             expected = self._pending[0].ticket if self._pending else None
             raise ValueError(f"tickets are collected in FIFO order: expected {expected}, got {ticket}")
         head = self._pending.popleft()
+        if ticket in self._offered:  # no step submitted from now on can feed back from it
+            self._offered.remove(ticket)
+            self._to_drain.append(ticket)
         needs_result = head.want_tokens or head.want_logits
         with self._lock:
             if not needs_result and not head.ack:  # nothing to wait for: drop the result when it comes

@@ -154,7 +154,7 @@ class StageWorker:
         if index == 0 and num_stages > 1:  # async scheduling: the first stage reads the last's tokens
             self._last = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{num_stages - 1}",
                                                                         300_000))
-        self._recent_tokens: dict[int, Any] = {}  # last stage: tokens a later step may feed back
+        self._recent_tokens: dict[int, Any] = {}  # first stage: tokens a step in flight may feed back
         self._attention_free_ready: set[int] = set()
         self._idle_since = 0.0
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
@@ -196,7 +196,8 @@ class StageWorker:
         ticket, num_tokens = header["id"], header["num_tokens"]
         batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]))
         pull_start = time.perf_counter()
-        fed_back = self._feedback(header["feedback_from"])
+        self._drain_tokens(header.get("drain_tokens", ()))
+        fed_back = self._feedback(ticket, header["feedback_from"])
         hidden = self._pull(ticket, num_tokens) if self._prev is not None else None
         jax.block_until_ready((batch.packed, hidden, fed_back))
         inputs_ready = time.perf_counter()
@@ -211,30 +212,41 @@ class StageWorker:
             self._server.await_pull(ticket, out)
             return
         tokens, logits = out
-        self._recent_tokens[ticket] = tokens
-        for old in [t for t in self._recent_tokens if t < ticket - self._num_stages]:
-            del self._recent_tokens[old]  # the head feeds back only from steps still in flight (<= P + 1)
+        if header.get("offer_tokens"):
+            self._server.await_pull(ticket, tokens)  # before the result: a drain never waits
+        elif self.stage.is_first:  # one stage: first and last
+            self._recent_tokens[ticket] = tokens
         result = [np.asarray(tokens)] if header["want_tokens"] else []
         if header["want_logits"]:
             result.append(np.asarray(logits))
         self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
                               "logits": header["want_logits"]}, result)
 
-    def _feedback(self, source: int | None) -> Any:
-        """The fed-back step's tokens: the last stage offers them as it reads this step (it finished
-        `source` already); the first stage pulls them. With one stage they are at hand."""
-        if source is None or not (self.stage.is_first or self.stage.is_last):
+    def _feedback(self, ticket: int, source: int | None) -> Any:
+        """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
+        from the last stage, which offered them when it sampled them, so the pull waits for step
+        `source` only. Kept for the steps still in flight: two steps may feed back from one."""
+        if not self.stage.is_first:
             return None
-        if self.stage.is_first and self._last is not None:
+        for old in [t for t in self._recent_tokens if t < ticket - self._num_stages - 1]:
+            del self._recent_tokens[old]  # the head feeds back only from steps in flight (<= P + 1)
+        if source is None:
+            return None
+        if source not in self._recent_tokens:
+            self._recent_tokens[source] = self._last.pull(source, self._tokens_aval())  # type: ignore[union-attr]
+        return self._recent_tokens[source]
+
+    def _drain_tokens(self, tickets: Any) -> None:
+        """Take the offers no step will feed back from, so the last stage lets go of them."""
+        if tickets and self._last is not None:
             import jax
 
-            aval = jax.ShapeDtypeStruct((self.stage.max_num_seqs,), np.int32, sharding=self.stage.replicated)
-            return self._last.pull(source, aval)
-        tokens = self._recent_tokens.pop(source)
-        if self.stage.is_first:  # one stage: first and last
-            return tokens
-        self._server.await_pull(source, tokens)
-        return None
+            jax.block_until_ready([self._last.pull(t, self._tokens_aval()) for t in tickets])
+
+    def _tokens_aval(self) -> Any:
+        import jax
+
+        return jax.ShapeDtypeStruct((self.stage.max_num_seqs,), np.int32, sharding=self.stage.replicated)
 
     def _pull(self, ticket: int, num_tokens: int) -> Any:
         import jax

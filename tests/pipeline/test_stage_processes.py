@@ -83,6 +83,24 @@ def test_stage_processes_match_single_device(mp_llm, random_model, reference, pp
     assert executor.num_compilations() > 0, "each stage reports its own compile count"
 
 
+def test_fed_back_tokens_do_not_serialize_the_stages(mp_llm, random_model):
+    """Two groups of sequences take turns (two at a time), so with async scheduling step k + 2 feeds
+    back from step k. The last stage offers step k's tokens as soon as it samples them, so the first
+    stage starts step j before the last has finished step j - 1 (had it offered them only on reading
+    step j's header, after step j - 1, the two stages would take turns)."""
+    llm = mp_llm(model=random_model, pipeline_parallel_size=2, max_num_seqs=2)
+    executor = llm.engine.executor
+    first_ticket = executor._next_ticket
+    llm.generate(prompt_token_ids=[[3 + i] * 8 for i in range(4)],
+                 sampling_params=SamplingParams(max_tokens=24, ignore_eos=True))
+    probes = [p for p in executor.probes() if p["id"] >= first_ticket]
+    ready = {p["id"]: p["inputs_ready"] for p in probes if p["stage"] == 0}
+    last_done = {p["id"]: p["done"] for p in probes if p["stage"] == 1}
+    overlapped = [j for j in ready if j - 1 in last_done and ready[j] < last_done[j - 1]]
+    assert len(overlapped) >= len(ready) // 4, (len(overlapped), len(ready))
+    assert llm.engine.stats().num_pages_used == 0
+
+
 def test_dynamic_chunking_on_stage_processes(mp_llm, random_model, reference):
     """The start-up sweep runs on the stage processes (attention-free forwards timed there); chunks
     sized by the controller change nothing in the result."""
