@@ -174,15 +174,16 @@ class LLMEngine:
         return True
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        sched, ticket = self._in_flight.popleft()
+        sched, ticket = self._in_flight[0]  # taken off only once collected: a failure keeps it
         phase = self._phases.timer(sched.step_id)
         try:
             with phase("wait"):
                 result = self.executor.collect(ticket)
             self._check_tokens(sched, result)
         except ExecutorError:
-            self._in_flight.appendleft((sched, -1))  # the executor holds nothing more of it
+            self._in_flight[0] = (sched, -1)  # the executor holds nothing more of it
             raise
+        self._in_flight.popleft()
         with phase("postprocess"):
             sampled = self.scheduler.postprocess(sched, result, time.monotonic())
             self._stats.count_sampled(len(sampled))
