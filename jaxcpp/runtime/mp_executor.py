@@ -323,7 +323,7 @@ class MultiProcessExecutor:
 
     # ---- the Executor contract -----------------------------------------------------------------
     def warmup(self, shape: StepShape) -> float:
-        """Every stage compiles every bucket on its own, in parallel; then one micro-batch of the
+        """Every stage compiles every bucket on its own (in threads), in parallel; then one micro-batch of the
         smallest bucket goes through the whole pipe (the transfers between processes)."""
         self._shape = shape
         start = time.perf_counter()

@@ -271,15 +271,29 @@ class StageWorker:
         return StageInput(jax.device_put(buf, self.stage.replicated), layout)
 
     def _warmup(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Every bucket's program, compiled here while the other stages compile theirs."""
+        """Every bucket's program, compiled here (`COMPILE_THREADS` at a time, as in one process) while
+        the other stages compile theirs, then each run once."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import jax
 
+        from jaxcpp.runtime.pipeline import COMPILE_THREADS
+        from jaxcpp.step_input import pack, padding_step
+
         buckets = self.shape.token_buckets
-        for i, num_tokens in enumerate(buckets, 1):
+
+        def compile_bucket(num_tokens: int) -> tuple[int, float]:
             t0 = time.perf_counter()
+            buf, layout = pack(padding_step(num_tokens, self.shape))
+            self.stage.compile(layout, buf.shape[0], num_tokens)
+            return num_tokens, time.perf_counter() - t0
+
+        with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
+            for i, (num_tokens, seconds) in enumerate(pool.map(compile_bucket, buckets), 1):
+                self._send({"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets),
+                            "num_tokens": num_tokens, "seconds": seconds})
+        for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
-            self._send({"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets),
-                                  "num_tokens": num_tokens, "seconds": time.perf_counter() - t0})
         self._send({"op": "reply", "what": "warmup"})
 
     def _attention_free(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
