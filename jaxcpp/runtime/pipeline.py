@@ -90,9 +90,8 @@ class PipelineExecutor:
     def _compile_bucket(self, num_tokens: int) -> tuple[int, float]:
         assert self._shape is not None
         start = time.perf_counter()
-        buf, layout = pack(padding_step(num_tokens, self._shape))
         for stage in self.stages:
-            stage.compile(layout, buf.shape[0], num_tokens)
+            stage.compile(self._shape, num_tokens)
         return num_tokens, time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,

@@ -39,7 +39,7 @@ from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.packing import unpack
 from jaxcpp.runtime.sampler import sample
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
-from jaxcpp.step_input import Layout
+from jaxcpp.step_input import Layout, StepShape, pack, padding_step
 
 
 class StepOutput(NamedTuple):
@@ -105,7 +105,7 @@ class Stage:
         self.replicated = NamedSharding(mesh, REPLICATED)
         kv_sharding = NamedSharding(mesh, kv_spec(config, tp))
         self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding)
-        dtype = self._dtype = jax.tree_util.tree_leaves(params)[0].dtype
+        dtype = self.dtype = jax.tree_util.tree_leaves(params)[0].dtype
         num_layers = layers[1] - layers[0]
         make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
@@ -145,21 +145,31 @@ class Stage:
         """The previous stage's activations, moved onto this stage's devices."""
         return jax.device_put(hidden, self.replicated)
 
-    def compile(self, batch_layout: Layout, packed_size: int, num_tokens: int) -> None:
-        """Lower and compile the program for one bucket without running it. Safe in threads (XLA's
-        compile releases the GIL) and it fills the jit's cache, so the first real call compiles nothing."""
-        def spec(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
-
-        hidden = None if self.is_first else spec((num_tokens, self.config.hidden_size), self._dtype)
-        lowered = self._program.lower(self.params, self.kv, hidden, spec((packed_size,), np.int32),
-                                      self._feedback(None), layout=batch_layout)
+    def compile(self, shape: StepShape, num_tokens: int) -> None:
+        """Lower and compile the program for the `num_tokens` bucket without running it. Safe in threads
+        (XLA's compile releases the GIL) and it fills the jit's cache, so the first real call compiles
+        nothing."""
+        buf, layout = pack(padding_step(num_tokens, shape))
+        hidden = None if self.is_first else self.hidden_aval(num_tokens)
+        lowered = self._program.lower(self.params, self.kv, hidden, self._aval(buf.shape, buf.dtype),
+                                      self._feedback(None), layout=layout)
         lowered.compile()
         if self.is_last:  # the sampler takes what every bucket program gives it: compile it once
             with self._sampler_lock:
                 if not self._sampler_compiled:
                     self._sampler.lower(lowered.out_info[0]).compile()
                     self._sampler_compiled = True
+
+    def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
+        """The activations this stage takes (or hands on) for a bucket of `num_tokens`."""
+        return self._aval((num_tokens, self.config.hidden_size), self.dtype)
+
+    def tokens_aval(self) -> jax.ShapeDtypeStruct:
+        """The last stage's sampled tokens, which the first stage reads back (async scheduling)."""
+        return self._aval((self.max_num_seqs,), np.int32)
+
+    def _aval(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
     def receive_tokens(self, tokens: jax.Array) -> jax.Array:
         """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read."""

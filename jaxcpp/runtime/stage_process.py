@@ -140,8 +140,6 @@ class StageWorker:
         jax.distributed.initialize(setup["coordinator"], num_processes=num_stages, process_id=index,
                                    heartbeat_timeout_seconds=10)
         self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
-        self._hidden_size = self.stage.config.hidden_size
-        self._dtype = jax.tree_util.tree_leaves(self.stage.params)[0].dtype
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{my_ip}:0",
                                                       [f"{my_ip}:0"])
         kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
@@ -233,7 +231,7 @@ class StageWorker:
         if source is None:
             return None
         if source not in self._recent_tokens:
-            self._recent_tokens[source] = self._last.pull(source, self._tokens_aval())  # type: ignore[union-attr]
+            self._recent_tokens[source] = self._last.pull(source, self.stage.tokens_aval())  # type: ignore[union-attr]
         return self._recent_tokens[source]
 
     def _drain_tokens(self, tickets: Any) -> None:
@@ -241,25 +239,18 @@ class StageWorker:
         if tickets and self._last is not None:
             import jax
 
-            jax.block_until_ready([self._last.pull(t, self._tokens_aval()) for t in tickets])
-
-    def _tokens_aval(self) -> Any:
-        import jax
-
-        return jax.ShapeDtypeStruct((self.stage.max_num_seqs,), np.int32, sharding=self.stage.replicated)
+            jax.block_until_ready([self._last.pull(t, self.stage.tokens_aval()) for t in tickets])
 
     def _pull(self, ticket: int, num_tokens: int) -> Any:
-        import jax
-
-        aval = jax.ShapeDtypeStruct((num_tokens, self._hidden_size), self._dtype, sharding=self.stage.replicated)
-        return self._prev.pull(ticket, aval)  # type: ignore[union-attr]
+        return self._prev.pull(ticket, self.stage.hidden_aval(num_tokens))  # type: ignore[union-attr]
 
     def _zeros(self, num_tokens: int) -> Any:
         import jax
 
         if self.stage.is_first:
             return None
-        return jax.device_put(np.zeros((num_tokens, self._hidden_size), self._dtype), self.stage.replicated)
+        aval = self.stage.hidden_aval(num_tokens)
+        return jax.device_put(np.zeros(aval.shape, aval.dtype), aval.sharding)
 
     def _put(self, num_tokens: int) -> Any:
         import jax
@@ -278,14 +269,12 @@ class StageWorker:
         import jax
 
         from jaxcpp.runtime.pipeline import COMPILE_THREADS
-        from jaxcpp.step_input import pack, padding_step
 
         buckets = self.shape.token_buckets
 
         def compile_bucket(num_tokens: int) -> tuple[int, float]:
             t0 = time.perf_counter()
-            buf, layout = pack(padding_step(num_tokens, self.shape))
-            self.stage.compile(layout, buf.shape[0], num_tokens)
+            self.stage.compile(self.shape, num_tokens)
             return num_tokens, time.perf_counter() - t0
 
         with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
