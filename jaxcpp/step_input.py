@@ -105,8 +105,9 @@ def padding_step(num_tokens: int, shape: StepShape) -> StepInput:
 
 
 def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
-    """Per-sequence values gathered into lists and written once per field (a decode step of 64
-    sequences is 64 one-token chunks: per-chunk numpy calls would dominate the host's step)."""
+    """Per-sequence values gathered into lists and written once per field, but for the page table
+    rows and the fed-back rows, one per chunk (a decode step of 64 sequences is 64 one-token chunks:
+    per-chunk numpy calls for every field would dominate the host's step)."""
     num_tokens = pad_to_bucket(sched.num_tokens, shape.token_buckets)
     step = _padding(num_tokens, seq_bucket(num_tokens, shape.max_num_seqs), shape.pages_per_seq)
     chunks, n, total = sched.chunks, len(sched.chunks), sched.num_tokens
