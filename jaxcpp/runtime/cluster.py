@@ -122,16 +122,21 @@ def check_reachable(src_ip: str, address: str, what: str, *, wait_s: float = 0.0
     raise ConnectionError(f"cannot reach {what} at {address} from {src_ip}: {reason}{_loopback_hint(src_ip, host)}")
 
 
-def _loopback_hint(src_ip: str, host: str) -> str:
-    src_loop = ipaddress.ip_address(src_ip).is_loopback
+def is_loopback(host: str) -> bool:
+    """A loopback IP address (a name is not resolved: False)."""
     try:
-        dst_loop = ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name
-        return ""
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_hint(src_ip: str, host: str) -> str:
+    src_loop, dst_loop = is_loopback(src_ip), is_loopback(host)
     if src_loop and not dst_loop:
         return f" ({src_ip} is a loopback address: no other host is reached from it; give --advertise-address)"
     if dst_loop and not src_loop:
-        return f" ({host} is a loopback address: the host that published it must give --advertise-address)"
+        return (f" ({host} is a loopback address: the host that published it must advertise one the others "
+                "reach, --advertise-address)")
     return ""
 
 

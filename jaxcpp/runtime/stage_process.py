@@ -45,7 +45,14 @@ from typing import Any
 import numpy as np
 
 from jaxcpp.runtime import wire
-from jaxcpp.runtime.cluster import check_local, check_reachable, host_port, shared_control_key, split_host_port
+from jaxcpp.runtime.cluster import (
+    check_local,
+    check_reachable,
+    host_port,
+    is_loopback,
+    shared_control_key,
+    split_host_port,
+)
 
 log = logging.getLogger("jaxcpp.stage")
 
@@ -331,9 +338,11 @@ def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int)
 
     if index > 0:
         check_reachable(my_ip, coordinator, "the jax.distributed coordinator", wait_s=COORDINATOR_WAIT_S)
+    # jax binds the service to every interface; on one host nothing outside it needs to reach it
+    bind = coordinator if is_loopback(split_host_port(coordinator)[0]) else None
     try:
         jax.distributed.initialize(coordinator, num_processes=num_stages, process_id=index,
-                                   heartbeat_timeout_seconds=10)
+                                   heartbeat_timeout_seconds=10, coordinator_bind_address=bind)
     except Exception as e:  # noqa: BLE001 - jax raises its runtime's errors; name the coordinator
         raise ConnectionError(f"jax.distributed.initialize (process {index} of {num_stages}) with the "
                               f"coordinator at {coordinator} failed: {e}") from e
