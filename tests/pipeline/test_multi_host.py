@@ -111,7 +111,7 @@ def hosts():
 def start_pair(hosts, random_model, tmp_path):
     pairs: list[Pair] = []
 
-    def start(stage_flags: list[str] = (), serving: bool = True) -> Pair:  # type: ignore[assignment]
+    def start(stage_flags: tuple[str, ...] = (), serving: bool = True) -> Pair:
         pair = Pair(hosts, random_model, tmp_path, list(stage_flags))
         pairs.append(pair)
         if serving:
@@ -190,7 +190,7 @@ def test_head_death_ends_the_remote_stage(start_pair):
 def test_a_host_advertising_loopback_is_refused_in_one_line(start_pair):
     """A host that would publish 127.0.0.1 (the failure this guards against: a transfer server bound to
     loopback aborts jax's transport on the first hop) is stopped before it loads, in one line on the head."""
-    pair = start_pair(["--advertise-address", "127.0.0.1"], serving=False)
+    pair = start_pair(("--advertise-address", "127.0.0.1"), serving=False)
     assert pair.head.wait(timeout=START_TIMEOUT_S) == 1
     last = pair.log().strip().splitlines()[-1]
     print(last)
