@@ -8,6 +8,7 @@ Host-side: no jax here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -103,6 +104,10 @@ class ParallelConfig:
                                    metadata={"help": "this process's index: 0 is the head (engine, gRPC "
                                                      "and stage 0), I > 0 runs stage I (default: env "
                                                      "JAX_PROCESS_ID, else LWS_WORKER_INDEX)"})
+    advertise_address: str | None = opt(None, "this host's IP address that the other hosts of a multi-host "
+                                        "pipeline reach it at: its stage's transfer server binds and publishes "
+                                        "it (default: the address of the interface that reaches the "
+                                        "coordinator; under Kubernetes, the pod IP)")
 
     def __post_init__(self) -> None:
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
@@ -131,6 +136,9 @@ class ParallelConfig:
         _require(n is None or n >= 1, "num_processes", f"must be >= 1, got {n}")
         if not self.is_multi_host:
             _require(pid in (None, 0), "process_id", f"is {pid} but --num-processes is {n or 1}")
+            _require(self.advertise_address is None, "advertise_address",
+                     "applies to a pipeline over several hosts (--num-processes > 1); on one host every "
+                     "stage uses 127.0.0.1")
             return
         assert n is not None  # is_multi_host
         _require(self.distributed_executor_backend != "inproc", "distributed_executor_backend",
@@ -141,6 +149,12 @@ class ParallelConfig:
         _require(self.coordinator_address is not None and ":" in self.coordinator_address,
                  "coordinator_address", f"host:port is needed with --num-processes {n}, got "
                  f"{self.coordinator_address!r}")
+        if self.advertise_address is not None:
+            try:
+                ipaddress.ip_address(self.advertise_address)
+            except ValueError:
+                raise ConfigError(f"--advertise-address: an IP address of this host is needed (the transfer "
+                                  f"server binds it), got {self.advertise_address!r}") from None
 
     def partition_list(self) -> list[int]:
         assert self.pp_partition is not None

@@ -77,11 +77,12 @@ class HostPhase:
 
 
 class ExecutorError(RuntimeError):
-    """A stage or device failed a micro-batch. `fatal`: the executor cannot run further steps."""
+    """A stage or device failed a micro-batch. `fatal`: the executor cannot run further steps.
+    `where`: the stage's process, host and address, when it runs in a process of its own."""
 
-    def __init__(self, message: str, *, stage: int | None = None, fatal: bool = True) -> None:
-        where = f"stage {stage}: " if stage is not None else ""
-        super().__init__(where + message)
+    def __init__(self, message: str, *, stage: int | None = None, fatal: bool = True, where: str = "") -> None:
+        prefix = f"stage {stage}{f' ({where})' if where else ''}: " if stage is not None else ""
+        super().__init__(prefix + message)
         self.stage = stage
         self.fatal = fatal
 

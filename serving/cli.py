@@ -25,6 +25,7 @@ from typing import Any
 from jaxcpp.cli_args import add_config_args, add_engine_args, engine_config_from_args, server_config_from_args
 from jaxcpp.config import ConfigError, ServerConfig
 from jaxcpp.errors import InvalidRequestError, ModelLoadError
+from jaxcpp.executor import ExecutorError
 from jaxcpp.logs import configure_cli_logging
 from jaxcpp.tools.chunk_plan import add_parser as add_chunk_plan_parser
 
@@ -113,8 +114,12 @@ def _serve(args: argparse.Namespace) -> int:
     configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
-    if engine_config.parallel.is_multi_host and engine_config.parallel.process_id:  # a stage worker
-        return _serve_stage(engine_config.parallel)
+    if engine_config.parallel.is_multi_host:
+        from jaxcpp.runtime.cluster import shared_control_key
+
+        shared_control_key()  # before anything starts: refused without a shared key (ConfigError)
+        if engine_config.parallel.process_id:  # a stage worker
+            return _serve_stage(engine_config.parallel)
     if (warning := command_line_key_warning(args)) is not None:
         print(warning, file=sys.stderr, flush=True)
 
@@ -134,18 +139,33 @@ def _serve(args: argparse.Namespace) -> int:
         where = f"{server_config.host}:{server.port}"
         print(f"jaxcpp: serving {engine_config.model.model} on {where}{tls}{metrics}", flush=True)
 
-    return asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
+    code = asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
+    if code != 0:  # the engine failed while serving; the server and the stages are stopped
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown (about a second for jax's and gRPC's modules): an
+    orchestrator restarts a failed pipeline, and the contract is to be gone within 2 s of a stage's death."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _serve_stage(parallel: Any) -> int:
     """Host I > 0 of a multi-host pipeline: run stage I for the head (process 0), which owns the
     engine and the gRPC server and sends this process its config; exits when the head stops it."""
+    from jaxcpp.runtime.cluster import Addresses
     from jaxcpp.runtime.stage_process import serve_stage
 
-    host, port = parallel.coordinator_address.rsplit(":", 1)
+    addresses = Addresses.of(parallel)
     print(f"jaxcpp: process {parallel.process_id}/{parallel.num_processes} runs stage {parallel.process_id} "
-          f"for the head at {host}:{int(port) + 1}", file=sys.stderr, flush=True)
-    return serve_stage(f"{host}:{int(port) + 1}", parallel.process_id)
+          f"for the head at {addresses.control}, advertising {addresses.advertise}", file=sys.stderr, flush=True)
+    return serve_stage(addresses.control, parallel.process_id, addresses.advertise)
 
 
 # -- client --------------------------------------------------------------------------------------
@@ -290,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ModelLoadError, InvalidRequestError) as err:
         print(f"jaxcpp {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except (ExecutorError, ConnectionError) as err:  # a stage failed to start, or found no head: one line
+        print(f"jaxcpp {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

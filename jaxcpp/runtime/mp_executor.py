@@ -12,10 +12,12 @@ Topology (docs/pipeline.md):
       ...                                      jax.distributed: stage 0 hosts the coordinator; the
       '-- stage P-1 process -> tokens to head  stages find each other's transfer servers through it
 
-On one host (`--distributed-executor-backend mp`) the head spawns the P stage processes itself. With
-`--num-processes P --process-id I` every host runs `jaxcpp serve`: process 0 is the head and spawns
-stage 0 beside itself, host I runs stage I (`jaxcpp.runtime.stage_process.serve_stage`); the control
-channel listens on the coordinator's port + 1.
+On one host (`--distributed-executor-backend mp`) the head spawns the P stage processes itself, all on
+127.0.0.1. With `--num-processes P --process-id I` every host runs `jaxcpp serve`: process 0 is the head
+and spawns stage 0 beside itself, host I runs stage I (`jaxcpp.runtime.stage_process.serve_stage`); the
+control channel listens on the coordinator's port + 1, and each stage advertises its host's address
+(`jaxcpp.runtime.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
+passes through the head, which keeps its last lines to say why it ended.
 
 One reader thread per stage receives what the stage sends (timings, the last stage's results,
 replies); a closed connection means the stage process ended, and every waiting or later call raises
@@ -33,6 +35,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -41,12 +44,13 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Listener
+from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.executor import ExecutorError, HostPhase, StageTiming, StepResult
 from jaxcpp.runtime import wire
-from jaxcpp.runtime.stage_process import CONTROL_KEY_ENV, control_key
+from jaxcpp.runtime.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
 from jaxcpp.runtime.trace import TraceWriter
 from jaxcpp.sizing import EngineSizing
 from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
@@ -56,6 +60,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = float(os.environ.get("JAXCPP_STAGE_START_TIMEOUT_S", "600"))
 PIN_ENV = "JAXCPP_PIN_STAGE_CORES"   # "1": each stage on its own cores, single-threaded XLA:CPU
 MAX_KEPT = 100_000                   # timing records kept for timings() / probes()
+STOP_GRACE_S = 5.0                   # a stage told to stop gets this long before it is killed
+FAILED_STOP_GRACE_S = 0.5            # ... after a failure, when it may be blocked on a dead peer
+PEER_DEATH_WAIT_S = 0.5              # a stage's error waits this long for a dead peer's to come first
 
 
 @dataclasses.dataclass
@@ -64,11 +71,26 @@ class _StageLink:
     conn: Any = None
     pid: int | None = None
     host: str = ""
+    address: str = ""                      # the address it advertises (its transfer server binds it)
+    transfer: str = ""                     # its transfer server, once ready
     compilations: int = 0                  # the stage's own count, as of its latest message
     clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
     process: subprocess.Popen[bytes] | None = None   # when the head spawned it
+    log_tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
+    reader: threading.Thread | None = None
+    log_reader: threading.Thread | None = None
     replies: queue.SimpleQueue[dict[str, Any]] = dataclasses.field(default_factory=queue.SimpleQueue)
     send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def where(self) -> str:
+        """pid, host and addresses, for error messages: what an operator needs to find the stage."""
+        if self.pid is None:
+            return f"pid {self.process.pid}, not connected" if self.process is not None else ""
+        transfer = f", transfer server {self.transfer}" if self.transfer else ""
+        return f"pid {self.pid} on {self.host} at {self.address}{transfer}"
+
+    def error(self, message: str) -> ExecutorError:
+        return ExecutorError(message, stage=self.index, where=self.where())
 
 
 @dataclasses.dataclass
@@ -86,16 +108,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def how_it_ended(process: subprocess.Popen[bytes] | None, wait_s: float = 1.0) -> str:
+def how_it_ended(ln: _StageLink, wait_s: float = 1.0) -> str:
+    process = ln.process
     if process is None:
-        return "its control connection closed (process gone, or its host unreachable)"
+        return "its control connection closed (process gone, or its host unreachable: see that host's log)"
     try:
         code = process.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         return f"process {process.pid} closed its control connection"
-    if code < 0:
+    if ln.log_reader is not None:
+        ln.log_reader.join(timeout=0.5)  # its last lines, still in the pipe
+    if code < 0 and -code in (signal.SIGKILL, signal.SIGTERM):  # killed from outside: its log says nothing
         return f"process {process.pid} was killed by {signal.Signals(-code).name}"
-    return f"process {process.pid} exited with code {code}"
+    ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    last = last_words(ln.log_tail) if code != 0 else ""
+    return f"process {process.pid} {ended}" + (f"; its log ends: {last}" if last else "")
+
+
+def last_words(lines: collections.deque[str]) -> str:
+    """Why a process died, from its last log lines: jax's fatal line (a failed CHECK in native code),
+    else its last line (a Python exception's)."""
+    fatal = [line for line in lines if re.match(r"F\d{4} ", line)]
+    last = fatal[-1] if fatal else (lines[-1] if lines else "")
+    return last if len(last) <= 400 else last[:400] + " ..."
+
+
+def forward_log(ln: _StageLink, stream: Any) -> None:
+    """A spawned stage's stderr, passed on to the head's; the lines that are not stack frames are kept."""
+    for raw in stream:
+        line = raw.decode(errors="replace")
+        sys.stderr.write(line)
+        if line.strip() and not line.startswith((" ", "\t", "***")):
+            ln.log_tail.append(line.rstrip())
+    sys.stderr.flush()
 
 
 class MultiProcessExecutor:
@@ -132,13 +177,13 @@ class MultiProcessExecutor:
 
     # ---- start-up ------------------------------------------------------------------------------
     def _start(self, multi_host: bool, coordinator: str | None) -> None:
-        if multi_host:
-            assert coordinator is not None
-            host, port = coordinator.rsplit(":", 1)
-            listen, control_port, authkey = ("0.0.0.0", int(port) + 1), int(port) + 1, control_key()
-            spawn = [0]         # the head's own host runs stage 0 (and so the coordinator)
+        if multi_host:  # the head's own host runs stage 0 (and so the coordinator)
+            addresses = Addresses.of(self._config.parallel)
+            authkey, coordinator, advertise = shared_control_key(), addresses.coordinator, addresses.advertise
+            control_port = split_host_port(addresses.control)[1]
+            listen, spawn = ("0.0.0.0", control_port), [0]
         else:
-            control_port = free_port()
+            control_port, advertise = free_port(), "127.0.0.1"
             listen, authkey = ("127.0.0.1", control_port), secrets.token_bytes(16)
             coordinator = f"127.0.0.1:{free_port()}"
             spawn = list(range(self.num_stages))
@@ -147,7 +192,7 @@ class MultiProcessExecutor:
         accepted: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(target=self._accept, args=(accepted,), name="jaxcpp-stage-accept", daemon=True).start()
         for s in spawn:
-            self.links[s].process = self._spawn(s, control_port, authkey)
+            self._spawn(self.links[s], control_port, authkey, advertise)
         try:
             self._handshake(accepted)
         except BaseException:
@@ -157,15 +202,19 @@ class MultiProcessExecutor:
         if self._config.parallel.trace_file:
             self._trace = TraceWriter(self._config.parallel.trace_file, time.perf_counter(), names)
         for ln in self.links:
-            threading.Thread(target=self._read, args=(ln,), name=f"jaxcpp-stage{ln.index}-reader",
-                             daemon=True).start()
+            ln.reader = threading.Thread(target=self._read, args=(ln,), name=f"jaxcpp-stage{ln.index}-reader",
+                                         daemon=True)
+            ln.reader.start()
 
-    def _spawn(self, stage: int, control_port: int, authkey: bytes) -> subprocess.Popen[bytes]:
+    def _spawn(self, ln: _StageLink, control_port: int, authkey: bytes, advertise: str) -> None:
         env = {**os.environ, CONTROL_KEY_ENV: authkey.hex()}
         env.pop("XLA_FLAGS", None)  # the stage sets its own device count (the head's is not its)
         cmd = [sys.executable, "-m", "jaxcpp.runtime.stage_process", "--control", f"127.0.0.1:{control_port}",
-               "--stage", str(stage), "--parent-pid", str(os.getpid())]
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+               "--stage", str(ln.index), "--advertise-address", advertise, "--parent-pid", str(os.getpid())]
+        ln.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        ln.log_reader = threading.Thread(target=forward_log, args=(ln, ln.process.stderr),
+                                         name=f"jaxcpp-stage{ln.index}-log", daemon=True)
+        ln.log_reader.start()
 
     def _accept(self, accepted: queue.SimpleQueue[Any]) -> None:
         while True:
@@ -196,14 +245,41 @@ class MultiProcessExecutor:
                 continue
             waiting.discard(s)
             ln = self.links[s]
-            ln.conn, ln.pid, ln.host = conn, hello["pid"], hello["host"]
+            ln.conn, ln.pid, ln.host, ln.address = conn, hello["pid"], hello["host"], hello["address"]
             if ln.host != socket.gethostname():
                 ln.clock_offset = time.perf_counter() - hello["clock"]  # one-way latency ignored
             wire.send(conn, self._setup_for(s))
-        for ln in self.links:  # each stage loads in parallel; wait for all
-            header = self._reply(ln, "ready", deadline)
-            log.info("stage %d/%d ready: pid %d on %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
-                     ln.pid, ln.host, header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+        self._await_ready(deadline)
+
+    def _await_ready(self, deadline: float) -> None:
+        """Each stage loads in parallel; wait for all. The first that fails (an error, or its process
+        ended) stops the start-up at once, whichever it is: the others wait on it inside jax.distributed."""
+        loading = {ln.index: ln for ln in self.links}
+        while loading:
+            if time.monotonic() > deadline:
+                raise ExecutorError(f"stages {sorted(loading)} not ready within {START_TIMEOUT_S:.0f}s")
+            connection_wait([ln.conn for ln in loading.values()], timeout=0.2)
+            for ln in list(loading.values()):
+                header = self._start_message(ln)
+                if header is not None:
+                    del loading[ln.index]
+                    ln.transfer = header["transfer"]
+                    log.info("stage %d/%d ready: %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
+                             ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+
+    def _start_message(self, ln: _StageLink) -> dict[str, Any] | None:
+        """Stage `ln`'s ready message if it is there; ExecutorError if the stage failed or ended."""
+        if not ln.conn.poll(0):
+            if ln.process is not None and ln.process.poll() is not None:
+                raise ln.error(f"failed during start-up: {how_it_ended(ln)}")
+            return None
+        try:
+            header, _ = wire.recv(ln.conn)
+        except (EOFError, OSError):
+            raise ln.error(f"failed during start-up: {how_it_ended(ln)}") from None
+        if header["op"] == "error":
+            raise ln.error(header["message"])
+        return header if header["op"] == "ready" else None
 
     def _setup_for(self, stage: int) -> dict[str, Any]:
         tp = self._config.parallel.tensor_parallel_size
@@ -218,32 +294,14 @@ class MultiProcessExecutor:
     def _check_spawned(self, deadline: float, waiting: set[int]) -> None:
         for ln in self.links:
             if ln.process is not None and ln.process.poll() is not None:
-                raise ExecutorError(f"did not start: {how_it_ended(ln.process, 0)}", stage=ln.index)
+                raise ln.error(f"did not start: {how_it_ended(ln)}")
         if time.monotonic() > deadline:
             raise ExecutorError(f"stages {sorted(waiting)} did not connect within {START_TIMEOUT_S:.0f}s "
                                 f"(coordinator {self._coordinator})")
 
-    def _reply(self, ln: _StageLink, what: str, deadline: float | None = None) -> dict[str, Any]:
-        """The next reply of stage `ln`, read directly during start-up, from its reader thread after."""
+    def _reply(self, ln: _StageLink, what: str) -> dict[str, Any]:
+        """The next reply of stage `ln`, from its reader thread."""
         while True:
-            starting = deadline is not None  # before the reader threads: read the connection here
-            if starting and ln.process is not None and ln.process.poll() is not None and not ln.conn.poll(0):
-                raise ExecutorError(f"failed during start-up: {how_it_ended(ln.process, 0)}", stage=ln.index)
-            if starting and ln.conn.poll(0.2):
-                try:
-                    header, _ = wire.recv(ln.conn)
-                except (EOFError, OSError):
-                    raise ExecutorError(f"failed during start-up: {how_it_ended(ln.process)}",
-                                        stage=ln.index) from None
-                if header["op"] == "error":
-                    raise ExecutorError(header["message"], stage=ln.index)
-                if header["op"] == what:
-                    return header
-                continue
-            if starting:
-                if time.monotonic() > deadline:  # type: ignore[operator]
-                    raise ExecutorError(f"no {what!r} within {START_TIMEOUT_S:.0f}s", stage=ln.index)
-                continue
             self._raise_if_failed()
             try:
                 header = ln.replies.get(timeout=0.2)
@@ -259,7 +317,7 @@ class MultiProcessExecutor:
                 header, arrays = wire.recv(ln.conn)
             except (EOFError, OSError):
                 if not self._closed:
-                    self._fail(ExecutorError(f"stage process ended: {how_it_ended(ln.process)}", stage=ln.index))
+                    self._fail(ln.error(f"stage process ended: {how_it_ended(ln)}"))
                 return
             op = header["op"]
             ln.compilations = header.get("compilations", ln.compilations)
@@ -276,8 +334,7 @@ class MultiProcessExecutor:
                 log.info("stage %d compiled bucket %d/%d: %d tokens (%.1fs)", header["stage"], header["bucket"],
                          header["of"], header["num_tokens"], header["seconds"])
             elif op == "error":
-                self._fail(ExecutorError(f"micro-batch {header['id']} failed: {header['message']}",
-                                         stage=ln.index))
+                self._fail_after_dead_peers(ln.error(f"micro-batch {header['id']} failed: {header['message']}"))
             else:
                 ln.replies.put(header)
 
@@ -303,6 +360,13 @@ class MultiProcessExecutor:
         if self._trace is not None and timing.traced:
             for t in ordered:
                 self._trace.add(t)
+
+    def _fail_after_dead_peers(self, error: ExecutorError) -> None:
+        """A stage's error that follows another stage's death (its transfer from the dead peer failed)
+        is the dead stage's failure: that stage's reader gets a moment to report it first."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._failure is not None, timeout=PEER_DEATH_WAIT_S)
+        self._fail(error)
 
     def _fail(self, error: ExecutorError) -> None:
         with self._lock:
@@ -405,29 +469,37 @@ class MultiProcessExecutor:
         return sum(ln.compilations for ln in self.links)
 
     def close(self) -> None:
-        """Stop every stage process (spawned ones are killed if they do not exit in 5 s). Idempotent."""
+        """Stop every stage process, the last first: stage 0's process hosts jax's coordination service,
+        and a stage that sees it go before its own stop arrives aborts instead of exiting 0. Spawned
+        stages are killed when they do not exit in 5 s (0.5 s after a failure: they may be blocked on a
+        dead peer). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for ln in self.links:
-            if ln.conn is not None:
-                try:
-                    with ln.send_lock:
-                        wire.send(ln.conn, {"op": "stop"})
-                except OSError:
-                    pass
-        for ln in self.links:
-            if ln.process is not None:
-                try:
-                    ln.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    ln.process.kill()
-                    ln.process.wait(timeout=5)
+        grace = FAILED_STOP_GRACE_S if self._failure is not None else STOP_GRACE_S
+        for ln in reversed(self.links):
+            self._stop(ln, grace)
         self._listener.close()
         if self._trace is not None:
             self._trace.close()
         with self._lock:
             self._lock.notify_all()
+
+    def _stop(self, ln: _StageLink, grace: float) -> None:
+        if ln.conn is not None:
+            try:
+                with ln.send_lock:
+                    wire.send(ln.conn, {"op": "stop"})
+            except OSError:
+                pass
+        if ln.process is not None:
+            try:
+                ln.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                ln.process.kill()
+                ln.process.wait(timeout=5)
+        elif ln.reader is not None:  # another host's: its connection closes when it exits
+            ln.reader.join(timeout=grace)
 
     # ---- beyond the contract: probes for tests and benchmarks ------------------------------------
     @property
@@ -460,6 +532,5 @@ class MultiProcessExecutor:
                 with ln.send_lock:
                     wire.send(ln.conn, header, arrays)
             except OSError as e:
-                self._fail(ExecutorError(f"sending to the stage process failed: {e}; "
-                                         f"{how_it_ended(ln.process)}", stage=ln.index))
+                self._fail(ln.error(f"sending to the stage process failed: {e}; {how_it_ended(ln)}"))
                 self._raise_if_failed()

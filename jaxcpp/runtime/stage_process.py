@@ -1,18 +1,22 @@
 """One pipeline stage in its own OS process: the stage side of the multi-process executor.
 
-    python -m jaxcpp.runtime.stage_process --control HOST:PORT --stage S [--parent-pid PID]
+    python -m jaxcpp.runtime.stage_process --control HOST:PORT --stage S --advertise-address IP [--parent-pid PID]
     (or `jaxcpp serve --num-processes N --process-id S ...` on host S > 0, which calls serve_stage)
 
 How a stage process comes up and runs:
 
     1. connect to the head's control channel (TCP, HMAC-authenticated; retried until the head is up),
-       say hello (stage index, pid, host), receive the head's EngineConfig and the coordinator address
+       say hello (stage index, pid, host, the address it advertises), receive the head's EngineConfig
+       and the coordinator address
     2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when asked, pin
        itself to its cores with single-threaded XLA:CPU; only then import jax
-    3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service;
-       each stage publishes its transfer server's address in the service's key-value store and connects
-       to the previous stage's (discovery through jax.distributed, not a home-made protocol)
-    4. build its `Stage` from its own layers (`load_stage_params`), tell the head it is ready
+    3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service
+       (a later stage first checks that it can reach it); build its `Stage` from its own layers
+       (`load_stage_params`); start its transfer server on the advertised address and publish it in
+       the service's key-value store, check that it can connect to its neighbours' (`cluster`), and
+       connect to the previous stage's (discovery through jax.distributed, not a home-made protocol)
+    4. tell the head it is ready (with its transfer server's address); until then a message or a
+       closed channel from the head means the head gave up: the stage exits instead of waiting for peers
     5. loop over control messages (`jaxcpp.runtime.wire`), in order:
          step      -> put the packed step on its devices, pull the activations of the same micro-batch
                       from stage S-1 (`jax.experimental.transfer`), run, time the model call, then
@@ -41,17 +45,19 @@ from typing import Any
 import numpy as np
 
 from jaxcpp.runtime import wire
+from jaxcpp.runtime.cluster import (
+    check_local,
+    check_reachable,
+    host_port,
+    is_loopback,
+    shared_control_key,
+    split_host_port,
+)
 
 log = logging.getLogger("jaxcpp.stage")
 
-CONTROL_KEY_ENV = "JAXCPP_CONTROL_KEY"      # hex; set by a spawning head, or shared by every host
-DEFAULT_CLUSTER_KEY = b"jaxcpp-cluster"     # multi-host default: authenticates, does not protect (docs)
 CONNECT_TIMEOUT_S = float(os.environ.get("JAXCPP_STAGE_CONNECT_TIMEOUT_S", "600"))
-
-
-def control_key() -> bytes:
-    key = os.environ.get(CONTROL_KEY_ENV)
-    return bytes.fromhex(key) if key else DEFAULT_CLUSTER_KEY
+COORDINATOR_WAIT_S = 120.0   # a later stage may start well before stage 0's process hosts the coordinator
 
 
 def connect(address: tuple[str, int], authkey: bytes, parent_pid: int | None) -> Any:
@@ -64,16 +70,6 @@ def connect(address: tuple[str, int], authkey: bytes, parent_pid: int | None) ->
             if time.monotonic() > deadline or (parent_pid is not None and os.getppid() != parent_pid):
                 raise ConnectionError(f"no head at {address[0]}:{address[1]}: {e}") from e
             time.sleep(0.2)
-
-
-def local_ip_towards(host: str) -> str:
-    """This host's address on the interface that reaches `host` (what peers should connect to)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(host), 9))
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 def configure_process(num_devices: int, cores: list[int] | None) -> None:
@@ -100,25 +96,52 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxcpp-parent-watch", daemon=True).start()
 
 
-def serve_stage(control: str, stage: int, *, parent_pid: int | None = None) -> int:
-    """Run stage `stage` until the head stops it; the exit code (0 when stopped by the head)."""
-    host, port = control.rsplit(":", 1)
+def watch_head_while_starting(conn: Any, stage: int) -> threading.Event:
+    """Until this stage says ready the head sends nothing but `stop`, so anything readable (or a closed
+    channel) means the head gave up: exit rather than wait on a peer or a barrier that never comes.
+    Set the returned event just before sending ready (or an error)."""
+    ready = threading.Event()
+
+    def run() -> None:
+        while not ready.is_set():
+            try:
+                if not conn.poll(0.25) or ready.is_set():
+                    continue
+                stopped = wire.recv(conn)[0]["op"] == "stop"
+            except (EOFError, OSError):
+                stopped = False
+            log.error("stage %d: the head %s during start-up; exiting", stage,
+                      "stopped the pipeline" if stopped else "closed the control channel")
+            os._exit(0 if stopped else 1)
+
+    threading.Thread(target=run, name="jaxcpp-start-watch", daemon=True).start()
+    return ready
+
+
+def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | None = None) -> int:
+    """Run stage `stage` until the head stops it; the exit code (0 when stopped by the head). `advertise`:
+    this host's address, which the stage's transfer server binds and publishes (`cluster`)."""
+    host, port = split_host_port(control)
     if parent_pid is not None:
         watch_parent(parent_pid)
-    conn = connect((host, int(port)), control_key(), parent_pid)
+    conn = connect((host, port), shared_control_key(), parent_pid)
     wire.no_delay(conn)
     wire.send(conn, {"op": "hello", "stage": stage, "pid": os.getpid(), "host": socket.gethostname(),
-                     "clock": time.perf_counter()})
+                     "address": advertise, "clock": time.perf_counter()})
     setup, _ = wire.recv(conn)
     if setup["op"] == "refused":
         print(f"jaxcpp stage {stage}: the head refused it: {setup['reason']}", file=sys.stderr)
         return 2
     configure_process(setup["tensor_parallel_size"], setup.get("cores"))
+    ready = watch_head_while_starting(conn, stage)
     try:
-        worker = StageWorker(conn, stage, setup, local_ip_towards(host))
-    except Exception as e:  # loading or placing failed: the head names it and gives up
-        log.exception("stage %d failed to start", stage)
-        wire.send(conn, {"op": "error", "id": -1, "message": f"start-up failed: {e!r}"})
+        check_local(advertise)
+        worker = StageWorker(conn, stage, setup, advertise, ready)
+    except Exception as e:  # loading, placing or reaching a peer failed: the head names it and gives up
+        ready.set()  # this process ends with its own exit code, not the watcher's
+        message = str(e) if isinstance(e, ConnectionError) else repr(e)
+        log.error("stage %d failed to start: %s", stage, message, exc_info=not isinstance(e, ConnectionError))
+        wire.send(conn, {"op": "error", "id": -1, "message": f"start-up failed: {message}"})
         return 1
     return worker.loop()
 
@@ -126,7 +149,7 @@ def serve_stage(control: str, stage: int, *, parent_pid: int | None = None) -> i
 class StageWorker:
     """Everything below runs after jax is configured for this process (configure_process)."""
 
-    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str) -> None:
+    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str, ready: threading.Event) -> None:
         import jax
         from jax.experimental import transfer
 
@@ -137,26 +160,26 @@ class StageWorker:
         self.conn = conn
         self.index = index
         num_stages = self._num_stages = setup["num_stages"]
-        jax.distributed.initialize(setup["coordinator"], num_processes=num_stages, process_id=index,
-                                   heartbeat_timeout_seconds=10)
+        _join_coordinator(setup["coordinator"], my_ip, index, num_stages)
         self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
-        self._server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{my_ip}:0",
-                                                      [f"{my_ip}:0"])
+        self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
+                                                      [host_port(my_ip, 0)])
         kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
         assert kv is not None, "jax.distributed.initialize() sets it"
         kv.key_value_set(f"jaxcpp/transfer/{index}", self._server.address())
-        self._prev = self._last = None
-        if index > 0:
-            self._prev = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{index - 1}",
-                                                                        300_000))
-        if index == 0 and num_stages > 1:  # async scheduling: the first stage reads the last's tokens
-            self._last = self._server.connect(kv.blocking_key_value_get(f"jaxcpp/transfer/{num_stages - 1}",
-                                                                        300_000))
+        peers = {}
+        for peer in _neighbours(index, num_stages):  # jax's transport aborts the process where this fails
+            peers[peer] = kv.blocking_key_value_get(f"jaxcpp/transfer/{peer}", 300_000)
+            check_reachable(my_ip, peers[peer], f"stage {peer}'s transfer server")
+        self._prev = self._server.connect(peers[index - 1]) if index > 0 else None
+        # async scheduling: the first stage reads the last's tokens
+        self._last = self._server.connect(peers[num_stages - 1]) if index == 0 and num_stages > 1 else None
         self._recent_tokens: dict[int, Any] = {}  # first stage: tokens a step in flight may feed back
         self._attention_free_ready: set[int] = set()
         self._idle_since = 0.0
+        ready.set()
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
-                         "layers": list(self.stage.layers)})
+                    "layers": list(self.stage.layers), "transfer": self._server.address()})
 
     def _send(self, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
         """Every message carries the stage's compile count, so the head knows it without asking."""
@@ -300,6 +323,31 @@ class StageWorker:
         self._send({"op": "reply", "what": "attention_free", "seconds": time.perf_counter() - t0})
 
 
+def _neighbours(index: int, num_stages: int) -> list[int]:
+    """The stages whose transfer servers this one exchanges with: the next and previous stages, and
+    the first and last (fed-back tokens); jax's transport connects both ways between them."""
+    last = num_stages - 1
+    peers = {index - 1, index + 1} | ({last} if index == 0 else set()) | ({0} if index == last else set())
+    return sorted(p for p in peers if 0 <= p < num_stages and p != index)
+
+
+def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int) -> None:
+    """jax.distributed.initialize, with its failures named: stage 0's process hosts the service, a later
+    stage first checks that it can reach it (else jax waits minutes, then aborts the process)."""
+    import jax
+
+    if index > 0:
+        check_reachable(my_ip, coordinator, "the jax.distributed coordinator", wait_s=COORDINATOR_WAIT_S)
+    # jax binds the service to every interface; on one host nothing outside it needs to reach it
+    bind = coordinator if is_loopback(split_host_port(coordinator)[0]) else None
+    try:
+        jax.distributed.initialize(coordinator, num_processes=num_stages, process_id=index,
+                                   heartbeat_timeout_seconds=10, coordinator_bind_address=bind)
+    except Exception as e:  # noqa: BLE001 - jax raises its runtime's errors; name the coordinator
+        raise ConnectionError(f"jax.distributed.initialize (process {index} of {num_stages}) with the "
+                              f"coordinator at {coordinator} failed: {e}") from e
+
+
 def _layout(fields: list[list[Any]]) -> Any:
     from jaxcpp.step_input import Field
 
@@ -336,11 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one jaxcpp pipeline stage (started by the head)")
     parser.add_argument("--control", required=True, help="host:port of the head's control channel")
     parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--advertise-address", required=True,
+                        help="this host's address: the transfer server binds and publishes it")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("JAXCPP_STAGE_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s stage {args.stage} %(levelname)s %(name)s: %(message)s")
-    return serve_stage(args.control, args.stage, parent_pid=args.parent_pid)
+    return serve_stage(args.control, args.stage, args.advertise_address, parent_pid=args.parent_pid)
 
 
 if __name__ == "__main__":

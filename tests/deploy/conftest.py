@@ -28,6 +28,8 @@ ISSUE_10_FLAGS = frozenset({"--distributed-executor-backend", "--coordinator-add
 # What LeaderWorkerSet puts in every container's environment, with values like a real group's.
 LWS_ENV = {"LWS_LEADER_ADDRESS": "jaxcpp-rocm-pp4-0.jaxcpp-rocm-pp4.jaxcpp", "LWS_GROUP_SIZE": "4",
            "LWS_WORKER_INDEX": "0"}
+# ... and what the manifests' env takes from the pod (the downward API's status.podIP).
+POD_ENV = {**LWS_ENV, "POD_IP": "10.0.3.17"}
 
 
 def load_manifest(path: Path) -> list[dict[str, Any]]:
@@ -86,6 +88,23 @@ def flag_value(args: list[str], flag: str) -> str | None:
         elif arg == flag and i + 1 < len(args):
             value = args[i + 1]
     return value
+
+
+def container_env(container: dict[str, Any], pod: dict[str, str],
+                  secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The environment Kubernetes gives `container`: `pod` (what LWS injects, and the pod's own fields by
+    their paths, e.g. status.podIP) and its env entries: values, downward-API fields, Secret keys."""
+    env = {k: v for k, v in pod.items() if not k.startswith("status.")}
+    for entry in container.get("env", []):
+        source = entry.get("valueFrom", {})
+        if "value" in entry:
+            env[entry["name"]] = expand_env(entry["value"], env)
+        elif "fieldRef" in source:
+            env[entry["name"]] = pod[source["fieldRef"]["fieldPath"]]
+        else:
+            ref = source["secretKeyRef"]
+            env[entry["name"]] = secrets[ref["name"], ref["key"]]
+    return env
 
 
 def expand_env(arg: str, env: dict[str, str]) -> str:

@@ -12,7 +12,7 @@ from jaxcpp.cli_args import engine_config_from_args, server_config_from_args
 from jaxcpp.serving.cli import build_parser
 from tests.deploy.conftest import (
     DOCKERFILES,
-    LWS_ENV,
+    POD_ENV,
     all_pod_templates,
     dockerfile_serve_args,
     expand_env,
@@ -29,7 +29,7 @@ def _serve_arg_lists() -> list[tuple[str, list[str]]]:
     lists = [(f"{d.name}:ENTRYPOINT+CMD", dockerfile_serve_args(d)) for d in DOCKERFILES]
     for t in all_pod_templates():
         for container in t.serve_containers():
-            lists.append((f"{t.id}:{container['name']}", [expand_env(a, LWS_ENV) for a in container["args"]]))
+            lists.append((f"{t.id}:{container['name']}", [expand_env(a, POD_ENV) for a in container["args"]]))
     return lists
 
 

@@ -6,7 +6,9 @@ with each other and with the server (probe ports, grace periods, the LWS group, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +17,24 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from jaxcpp.cli_args import engine_config_from_args
+from jaxcpp.runtime.cluster import Addresses, shared_control_key
 from jaxcpp.serving.server import SERVICE_NAME
 from tests.deploy.conftest import (
+    LWS_ENV,
     LWS_KIND,
     LWS_SCHEMA,
     MANIFESTS,
     PodTemplate,
     all_pod_templates,
+    container_env,
+    expand_env,
     flag_value,
     load_manifest,
     pod_templates,
 )
+from tests.deploy.test_flags import _serve_parser
+from tests.pipeline.netns import HEAD_IP, STAGE_IP, expected_addresses
 
 # The oldest Kubernetes the manifests claim (gRPC probes GA in 1.27, preStop sleep beta in 1.30) and the
 # newest kubernetes-validate has schemas for.
@@ -204,7 +213,7 @@ def test_gpus_match_the_parallel_layout(template: PodTemplate) -> None:
         assert {"cpu", "memory"} <= container["resources"][section].keys()
     other = set(GPU_RESOURCE.values()) - {resource}
     assert not other & container["resources"]["limits"].keys()
-    platform = {e["name"]: e["value"] for e in container["env"]}["JAX_PLATFORMS"]
+    platform = {e["name"]: e.get("value") for e in container["env"]}["JAX_PLATFORMS"]
     assert platform == _target(template.manifest)
 
 
@@ -223,12 +232,40 @@ def test_leaderworkerset_group_is_the_pipeline(path: Path) -> None:
     assert {"name": "coordinator", "containerPort": coordinator_port} in leader["ports"]
 
 
+@pytest.mark.parametrize("path", [p for p in MANIFESTS if "multi-host" in p.name], ids=lambda p: p.name)
+def test_leaderworkerset_pods_get_the_addresses_of_the_two_host_test(path: Path, monkeypatch) -> None:
+    """Expanded as Kubernetes does in a group whose leader pod has the two-host test's head address and
+    whose worker pod has its stage address (tests/pipeline/test_multi_host.py), the flags and env give
+    each process the coordinator, control channel and advertised address that test runs with; and both
+    take the control key from one Secret, the one the manifest's header tells how to make."""
+    leader_name = LWS_ENV["LWS_LEADER_ADDRESS"]  # LWS's headless-Service name: it resolves to the leader's pod IP
+    secret = {("jaxcpp-control-key", "key"): secrets.token_hex(32)}
+    keys = []
+    for process_id, template, pod_ip in ((0, pod_templates(path)[0], HEAD_IP), (1, pod_templates(path)[1], STAGE_IP)):
+        container = _container(template)
+        pod = {**LWS_ENV, "LWS_WORKER_INDEX": str(process_id), "status.podIP": pod_ip}
+        env = container_env(container, pod, secret)
+        args = [expand_env(a, env) for a in container["args"]]
+        parallel = engine_config_from_args(_serve_parser().parse_args(args)).parallel
+        got = Addresses.of(parallel)
+        resolved = dataclasses.replace(got, coordinator=got.coordinator.replace(leader_name, HEAD_IP),
+                                       control=got.control.replace(leader_name, HEAD_IP))
+        assert resolved == expected_addresses(process_id), template.id
+        monkeypatch.setenv("JAXCPP_CONTROL_KEY", env["JAXCPP_CONTROL_KEY"])
+        keys.append(shared_control_key())
+        refs = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == "JAXCPP_CONTROL_KEY"]
+        assert refs == [{"name": "jaxcpp-control-key", "key": "key"}], template.id
+    assert keys[0] == keys[1], "every pod of the group shares the key"
+    assert ("kubectl -n jaxcpp create secret generic jaxcpp-control-key --from-literal=key=$(openssl rand -hex 32)"
+            in path.read_text())
+
+
 @pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
 def test_volumes_for_model_cache_and_shm(template: PodTemplate) -> None:
     container = _container(template)
     volumes = {v["name"]: v for v in template.spec["volumes"]}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     model = flag_value(container["args"], "--model")
     models = mounts["/models"]
     assert model.startswith("/models/") and models["readOnly"] is True

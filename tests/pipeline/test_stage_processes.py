@@ -7,6 +7,7 @@ loopback). Small random models and short prompts: each engine here is a few proc
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -164,13 +165,15 @@ def test_no_orphans_when_the_head_dies(random_model):
     assert wait_gone(pids, 5) == [], "stage processes outlived their head"
 
 
-def test_multi_host_path_on_loopback(make_pp_llm, random_model, reference):
+def test_multi_host_path_on_loopback(make_pp_llm, random_model, reference, monkeypatch):
     """As on separate hosts: stage 1 is started by hand (`jaxcpp serve --process-id 1`), the head is
-    process 0 and spawns its own stage 0, which hosts the jax.distributed coordinator."""
+    process 0 and spawns its own stage 0, which hosts the jax.distributed coordinator. (On real
+    interfaces: test_multi_host.py.)"""
     port = free_port()
     while port + 1 > 65535 or not _free(port + 1):
         port = free_port()
     coordinator = f"127.0.0.1:{port}"
+    monkeypatch.setenv("JAXCPP_CONTROL_KEY", secrets.token_hex(16))  # shared by the "hosts"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as on a host of its own
     worker = subprocess.Popen([sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", random_model,
                                "--pipeline-parallel-size", "2", "--num-processes", "2", "--process-id", "1",
