@@ -7,8 +7,8 @@ How a stage process comes up and runs:
 
     1. connect to the head's control channel (TCP, HMAC-authenticated; retried until the head is up),
        say hello (stage index, pid, host), receive the head's EngineConfig and the coordinator address
-    2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when asked, pin
-       itself to its cores with single-threaded XLA:CPU; only then import jax
+    2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when it is to be
+       pinned, single-threaded XLA:CPU; only then import jax (and pin, once the jax client exists)
     3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service;
        each stage publishes its transfer server's address in the service's key-value store and connects
        to the previous stage's (discovery through jax.distributed, not a home-made protocol)
@@ -77,16 +77,31 @@ def local_ip_towards(host: str) -> str:
 
 
 def configure_process(num_devices: int, cores: list[int] | None) -> None:
-    """Before jax is imported: this stage's T devices (on CPU) and, if asked, its own cores,
-    single-threaded, so that stages really run side by side instead of fighting over every core."""
+    """Before jax is imported: this stage's T devices (on CPU) and, when it will be pinned to its own
+    cores (`pin_to_cores`), single-threaded XLA:CPU, so that stages really run side by side."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={num_devices}"
-    if cores:
-        os.sched_setaffinity(0, cores)
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    if cores and "xla_cpu_multi_thread_eigen" not in flags:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def pin_to_cores(cores: list[int]) -> None:
+    """Every thread of this process, and so every thread it starts later, on `cores` only.
+
+    Called once the jax client exists, never before: XLA:CPU sizes its client thread pool from the
+    cores the process may use when the client is created, and that pool runs both the computations
+    and the transfer server's sends. Pinned first, a one-core stage got a one-thread pool, and the
+    send of micro-batch k waited behind the forward of k + 1 (the next stage started k only when
+    this one finished k + 1). Created first, the pool keeps a thread per machine core; pinned
+    afterwards, those threads share this stage's core and a send interleaves with the forward.
+    """
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -139,6 +154,9 @@ class StageWorker:
         num_stages = self._num_stages = setup["num_stages"]
         jax.distributed.initialize(setup["coordinator"], num_processes=num_stages, process_id=index,
                                    heartbeat_timeout_seconds=10)
+        if setup.get("cores"):
+            jax.devices()  # creates the client and its thread pools before the process is pinned
+            pin_to_cores(setup["cores"])
         self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{my_ip}:0",
                                                       [f"{my_ip}:0"])
