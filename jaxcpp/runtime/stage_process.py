@@ -221,9 +221,8 @@ class StageWorker:
         jax.block_until_ready(out)
         done = time.perf_counter()
         self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
-                              "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
-                              "inputs_ready": inputs_ready,
-                              "start": inputs_ready, "done": done})
+                    "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
+                    "inputs_ready": inputs_ready, "start": inputs_ready, "done": done})
         if not self.stage.is_last:
             self._server.await_pull(ticket, out)
             return
@@ -232,11 +231,13 @@ class StageWorker:
             self._server.await_pull(ticket, tokens)  # before the result: a drain never waits
         elif self.stage.is_first:  # one stage: first and last
             self._recent_tokens[ticket] = tokens
+        if not (header["want_tokens"] or header["want_logits"]):
+            return  # a step of middle prompt chunks: its timing record is all the head waits for
         result = [np.asarray(tokens)] if header["want_tokens"] else []
         if header["want_logits"]:
             result.append(np.asarray(logits))
         self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
-                              "logits": header["want_logits"]}, result)
+                    "logits": header["want_logits"]}, result)
 
     def _feedback(self, ticket: int, source: int | None) -> Any:
         """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
