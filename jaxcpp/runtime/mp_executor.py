@@ -127,6 +127,10 @@ class MultiProcessExecutor:
         self._shape: StepShape | None = None
         self._trace: TraceWriter | None = None
         self.links = [_StageLink(s) for s in range(self.num_stages)]
+        if p.stand_in_latency is not None:
+            log.warning("STAND-IN DEVICE (--stand-in-latency %s, jitter %g): the stage processes run no model, "
+                        "each forward is a timed wait and the tokens are not a model's; for benchmarks and "
+                        "load tests only", p.stand_in_latency, p.stand_in_jitter)
         self._start(p.is_multi_host, p.coordinator_address)
 
     # ---- start-up ------------------------------------------------------------------------------

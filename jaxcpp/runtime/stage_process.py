@@ -326,29 +326,43 @@ def _layout(fields: list[list[Any]]) -> Any:
 
 
 def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> Any:
-    """This stage's `Stage`, from the head's config: the same sizing plan, so pages and buckets agree."""
+    """This stage's `Stage` (or its stand-in), from the head's config: the same sizing plan, so pages and
+    buckets agree."""
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
-    from jaxcpp.kernels.backend import select_attention
-    from jaxcpp.models.checkpoint import load_stage_params
     from jaxcpp.models.spec import resolve_model_spec
-    from jaxcpp.runtime.factory import enable_compilation_cache
     from jaxcpp.runtime.mesh import make_mesh, stage_mesh
-    from jaxcpp.runtime.stage import Stage
     from jaxcpp.sizing import EngineSizing
 
     config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
-    enable_compilation_cache()
     sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
     layers = sizing.layers[index]
-    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
-    mesh = make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices())
-    stage = Stage(index, num_stages, stage_mesh(mesh, 0), sizing.spec.config, params, layers, sizing.num_pages,
-                  sizing.page_size, select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
+    mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
+    stand_in = config.parallel.stand_in_model()
+    if stand_in is not None:
+        from jaxcpp.runtime.stand_in import StandInStage
+
+        stage: Any = StandInStage(index, num_stages, mesh, layers, stand_in, config.parallel.stand_in_jitter,
+                                  sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
+    else:
+        stage = _load_stage(index, num_stages, config, sizing, mesh)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
              layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing.shape
+
+
+def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any) -> Any:
+    from jaxcpp.kernels.backend import select_attention
+    from jaxcpp.models.checkpoint import load_stage_params
+    from jaxcpp.runtime.factory import enable_compilation_cache
+    from jaxcpp.runtime.stage import Stage
+
+    enable_compilation_cache()
+    layers = sizing.layers[index]
+    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
+    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
+                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
 
 
 def main(argv: list[str] | None = None) -> int:
