@@ -67,3 +67,13 @@ def test_hop_never_waits_for_the_producers_next_forward(pinned_pp2):
     bound = 0.4 * statistics.median(forwards)
     late = {k: round(m[1]["inputs_ready"] - max(m[0]["done"], m[1]["pull_start"]), 4) for k, m in probes.items()}
     assert max(late.values()) < bound, f"hops started late (s): {late}; bound {bound:.3f} s; forwards {forwards}"
+
+
+def test_first_stage_runs_a_lone_prompt_back_to_back(pinned_pp2):
+    """Fixed chunks, dynamic chunking off (tests/pipeline/test_stand_in.py checks it calibrating and
+    installed): between two chunks the first stage waits less than 10% of a forward."""
+    probes = lone_prefill_probes(pinned_pp2, seed=3)
+    first = [m[0] for m in probes.values()]
+    gaps = [round(b["start"] - a["done"], 4) for a, b in zip(first, first[1:], strict=False)]
+    forward = statistics.median(p["done"] - p["start"] for p in first)
+    assert max(gaps) < 0.1 * forward, f"first-stage gaps (s): {gaps}; median forward {forward:.3f} s"
