@@ -79,7 +79,8 @@ def kernel_tests(env: dict[str, str], timeout_s: float) -> dict:
 def kernel_benchmark(env: dict[str, str], timeout_s: float) -> dict:
     code, out, seconds = run([sys.executable, str(REPO / "benchmarks/kernels.py"), "--iters", "10"], env, timeout_s)
     lines = out.splitlines()
-    rows = [line for line in lines if line.split()[:1] and line.split()[0] in ("decode-heavy", "prefill-heavy", "mixed")]
+    scenarios = ("decode-heavy", "prefill-heavy", "mixed")
+    rows = [line for line in lines if line.split()[:1] and line.split()[0] in scenarios]
     peaks = next((line for line in lines if line.startswith("measured peaks")), "")
     device = next((line for line in lines if line.startswith("device:")), "")
     return {"ok": code == 0, "device": device, "peaks": peaks, "rows": rows, "seconds": round(seconds, 1),
@@ -109,9 +110,9 @@ save_hf(folder, params, config)
 del params
 written = time.perf_counter() - t0
 t0 = time.perf_counter()
-llm = LLM(model=str(folder), dtype="bfloat16" if not small else "float32", max_model_len=8192, max_num_batched_tokens=2048 if not small else 256,
-          max_num_seqs=64, kv_cache_memory_gb=8 if not small else 0.05, enable_prefix_caching=False,
-          log_stats_interval_s=0)
+llm = LLM(model=str(folder), dtype="bfloat16" if not small else "float32", max_model_len=8192,
+          max_num_batched_tokens=2048 if not small else 256, max_num_seqs=64,
+          kv_cache_memory_gb=8 if not small else 0.05, enable_prefix_caching=False, log_stats_interval_s=0)
 ready = time.perf_counter() - t0
 rng = np.random.default_rng(0)
 def prompts(n, length):
@@ -125,9 +126,10 @@ def tpot(batch, n=128 if not small else 8):
     return statistics.median((o.metrics.e2e - o.metrics.ttft) / (len(o.token_ids) - 1) for o in outs)
 tpot1, tpot32 = tpot(1), tpot(32 if not small else 4)
 stats = llm.engine.stats()
-print(json.dumps({"params": int(num_params), "write_checkpoint_s": round(written, 1), "start_to_ready_s": round(ready, 1),
-                  "warmup_s": round(llm.engine.warmup_seconds, 1), "buckets": len(llm.engine.sizing.token_buckets),
-                  "prompt_len": plen, "ttft_s": [round(t, 4) for t in ttft], "ttft_median_s": round(statistics.median(ttft), 4),
+print(json.dumps({"params": int(num_params), "write_checkpoint_s": round(written, 1),
+                  "start_to_ready_s": round(ready, 1), "warmup_s": round(llm.engine.warmup_seconds, 1),
+                  "buckets": len(llm.engine.sizing.token_buckets), "prompt_len": plen,
+                  "ttft_s": [round(t, 4) for t in ttft], "ttft_median_s": round(statistics.median(ttft), 4),
                   "tpot_1_ms": round(tpot1 * 1e3, 3), "tpot_32_ms": round(tpot32 * 1e3, 3),
                   "compilations_after_warmup": stats.num_compilations_since_warmup,
                   "device": str(jax.devices()[0].device_kind)}))
@@ -173,8 +175,8 @@ def main() -> int:
     start = time.perf_counter()
     env = importable_env()
     report: dict = {"backend": backend or "cpu"}
-    info = subprocess.run([sys.executable, "-c", "import jax; print(jax.__version__); print(jax.devices()[0].device_kind)"],
-                          capture_output=True, text=True, env=env).stdout.split("\n")
+    describe = "import jax; print(jax.__version__); print(jax.devices()[0].device_kind)"
+    info = subprocess.run([sys.executable, "-c", describe], capture_output=True, text=True, env=env).stdout.split("\n")
     report["jax"], report["device"] = info[0], info[1] if len(info) > 1 else "?"
     if backend is None:  # --allow-cpu: only the engine part, tiny, to check the script itself
         report["kernel_tests"] = {"ok": True, "summary": "skipped (no GPU)", "seconds": 0}

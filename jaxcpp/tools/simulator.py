@@ -1,9 +1,9 @@
 """A pipeline simulator: P stages under the latency model, chunks from any policy, TTFT per request.
 
 How it moves: a step loop like the engine's. Whenever stage 0 is free and the engine's in-flight rule
-(`jaxcpp.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch: it tells the policy how many requests could
-prefill (`observe_step`, so the controller's gate decides as it would in the engine), then asks it for
-a chunk per request (`prefill_chunk`), first come first served, until the token budget is spent. The
+(`jaxcpp.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch:
+it tells the policy how many requests could prefill (`observe_step`, so the controller's gate decides
+as it would in the engine), then asks it for a chunk per request (`prefill_chunk`), first come first served, until the token budget is spent. The
 policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's one chunk-sizing protocol: the controller, or
 `FixedPolicy` / `PlanPolicy` here.
 
