@@ -3,14 +3,14 @@
 How it moves: a step loop like the engine's. Whenever stage 0 is free and the engine's in-flight rule
 (`jaxcpp.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch:
 it tells the policy how many requests could prefill (`observe_step`, so the controller's gate decides
-as it would in the engine), then asks it for a chunk per request (`prefill_chunk`), first come first served, until the token budget is spent. The
-policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's one chunk-sizing protocol: the controller, or
-`FixedPolicy` / `PlanPolicy` here.
-
-`simulate_engine` instead drives the real engine (scheduler, pages, controller) on a `FakeExecutor`
-whose virtual clock runs the same flow shop: the two agree for a lone prompt (a test checks it). The batch then flows
+as it would in the engine), then asks it for a chunk per request (`prefill_chunk`), first come first
+served, until the token budget is spent. The policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's
+one chunk-sizing protocol: the controller, or `FixedPolicy` / `PlanPolicy` here. The batch then flows
 through the stages in order (stage j takes w_j·t, a hop between stages costs hop_s + hop_s_per_token·n),
 each stage taking batches in order. A request's TTFT is when its last chunk leaves the last stage.
+
+`simulate_engine` instead drives the real engine (scheduler, pages, controller) on a `FakeExecutor`
+whose virtual clock runs the same flow shop: the two agree for a lone prompt (a test checks it).
 
 The simulated prefill worker runs prefills only (as the prefill side of a disaggregated deployment):
 no decodes share its steps. A batch's time is c once plus each chunk's (t − c). A policy that has
