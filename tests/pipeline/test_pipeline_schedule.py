@@ -58,15 +58,16 @@ def lone_prefill_probes(llm: LLM, seed: int) -> dict[int, dict[int, dict]]:
 def test_hop_never_waits_for_the_producers_next_forward(pinned_pp2):
     """Stage 1 starts micro-batch k once stage 0 finished k and stage 1 is free, not when stage 0
     finishes k + 1: the hop's late start, max(producer done, consumer's pull start) -> consumer inputs
-    ready, stays well under one forward."""
+    ready, stays under half of the producer's next forward (a hop held back by it is late by all of it)."""
     lone_prefill_probes(pinned_pp2, seed=1)  # untimed: first use of every path
     probes = lone_prefill_probes(pinned_pp2, seed=2)
     forwards = [m[0]["done"] - m[0]["start"] for m in probes.values()]
     assert len(probes) == PROMPT_LEN // BUDGET and statistics.median(forwards) > 0.03, \
         f"forwards too short to tell a late hop from noise: {forwards}"
-    bound = 0.4 * statistics.median(forwards)
-    late = {k: round(m[1]["inputs_ready"] - max(m[0]["done"], m[1]["pull_start"]), 4) for k, m in probes.items()}
-    assert max(late.values()) < bound, f"hops started late (s): {late}; bound {bound:.3f} s; forwards {forwards}"
+    late = [m[1]["inputs_ready"] - max(m[0]["done"], m[1]["pull_start"]) for m in probes.values()]
+    bounds = [0.5 * f for f in forwards[1:]] + [0.5 * statistics.median(forwards)]  # the last has no next
+    assert all(t < b for t, b in zip(late, bounds, strict=True)), \
+        f"hops started late (s): {[round(t, 4) for t in late]}; producer forwards {[round(f, 4) for f in forwards]}"
 
 
 def test_first_stage_runs_a_lone_prompt_back_to_back(pinned_pp2):
