@@ -9,7 +9,7 @@ PKG_STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 MIN_PY  := 3.11
 
-.PHONY: setup serve generate test test-fast lint clean
+.PHONY: setup serve generate test test-fast lint gpu-check clean
 
 # The version check runs before the venv is created; its message names the interpreter and version.
 # It runs only when there is no venv yet: one made with PY=python3.12 keeps working whatever python3 is.
@@ -24,16 +24,16 @@ CHECK_PYTHON = found=$$($(PY) -c 'import sys; print("%d.%d.%d" % sys.version_inf
 SETUP_FAILED = { rm -rf $(VENV); echo "make: setup failed; removed $(VENV) so the next run starts clean" >&2; exit 1; }
 
 # Build, then stamp; on any failure remove the venv (a half-made one would be reused by the next run).
-$(PKG_STAMP): pyproject.toml
+$(PKG_STAMP): pyproject.toml constraints.txt
 	@if [ ! -x $(BIN)/python ]; then $(CHECK_PYTHON); fi
 	@{ [ -x $(BIN)/python ] || $(PY) -m venv $(VENV); } \
 	  && $(BIN)/pip install --quiet --upgrade pip \
-	  && $(BIN)/pip install --quiet -e . \
+	  && $(BIN)/pip install --quiet -c constraints.txt -e . \
 	  && touch $@ \
 	  || $(SETUP_FAILED)
 
-$(TEST_STAMP): $(PKG_STAMP) pyproject.toml
-	@$(BIN)/pip install --quiet -e ".[test,parity]" \
+$(TEST_STAMP): $(PKG_STAMP) pyproject.toml constraints.txt
+	@$(BIN)/pip install --quiet -c constraints.txt -e ".[test,parity]" \
 	  && touch $@ \
 	  || $(SETUP_FAILED)
 
@@ -54,6 +54,11 @@ test-fast: $(TEST_STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+# On a machine with a GPU and a GPU build of jax (maybe no network): installs nothing, runs the checks that
+# need a GPU within 8 minutes, writes out/gpu-check/gpu_check.{json,md}; without a GPU it says so, exit 0.
+gpu-check:
+	python3 benchmarks/gpu_check.py --out out/gpu-check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

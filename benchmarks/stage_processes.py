@@ -15,7 +15,8 @@ a temporary folder. Every stage process is pinned to its own core with single-th
                each beside `predicted_ttft` of the chunks the engine really scheduled, from the installed model
     hostcost   a small model (hidden 64, 8 layers, 64-token steps): head submit -> stage received, where
                the stage was already waiting (control channel), and max(producer done, consumer's pull
-               start) -> consumer inputs ready (activation hop: await_pull + pull), at P = 2 and 4
+               start) -> consumer inputs ready (activation hop: await_pull + pull), at P = 2, 4 and 8
+               (--hostcost-pp)
 """
 
 from __future__ import annotations
@@ -140,7 +141,10 @@ def part_ttft(args: argparse.Namespace) -> dict:
                      "predicted": predicted_ttft(model, chunks, 2, weights)})
         if policy == "equal-latency" and args.png:
             last = [t for t in dyn.engine.executor.timings() if t.ticket >= first_ticket]
-            plot_measured_vs_predicted(last, model, chunks, weights, args.png)
+            from jaxcpp.tools.plot import plot_measured_vs_predicted
+
+            plot_measured_vs_predicted(last, model, chunks, 2, args.png, "lone prompt, equal-latency chunks, PP 2",
+                                       weights)
     dyn.engine.close()
     rows += fixed_rows(args, base, long, model, weights)
     return {"state": str(ctl.state), "model": model.describe(), "rows": rows}
@@ -165,36 +169,11 @@ def fixed_rows(args, base, long, model, weights) -> list:  # type: ignore[no-unt
     return rows
 
 
-def plot_measured_vs_predicted(timings, model, chunks, weights, path) -> None:  # type: ignore[no-untyped-def]
-    """The last equal-latency run's per-stage boxes as measured, beside the boxes the installed model
-    predicts for the same chunks (stage s of chunk k starts when s-1 finished k and s finished k-1)."""
-    from jaxcpp.tools.plot import plot_timelines
-    from jaxcpp.tools.simulator import SimResult, StageSpan
-
-    t0 = min(t.start for t in timings)
-    measured = SimResult(ttft={"lone": max(t.done for t in timings) - t0},
-                         spans=[StageSpan(t.ticket - timings[0].ticket, t.stage, t.start - t0, t.done - t0,
-                                          (("lone", 0, t.num_tokens),)) for t in timings])
-    w = weights or (1.0, 1.0)
-    done = [[0.0] * len(chunks) for _ in w]
-    spans, prefix = [], 0
-    for k, c in enumerate(chunks):
-        seconds = float(model.predict(prefix, c))
-        for s_ in range(len(w)):
-            start = max(done[s_ - 1][k] if s_ else 0.0, done[s_][k - 1] if k else 0.0)
-            done[s_][k] = start + seconds * w[s_]
-            spans.append(StageSpan(k, s_, start, done[s_][k], (("lone", prefix, c),)))
-        prefix += c
-    predicted = SimResult(ttft={"lone": done[-1][-1]}, spans=spans)
-    plot_timelines({"measured (stage processes)": measured, "predicted (installed model)": predicted},
-                   path, title="lone prompt, equal-latency chunks, PP 2")
-
-
 def part_hostcost(args: argparse.Namespace) -> dict:
     from jaxcpp import SamplingParams
 
     out = {}
-    for pp in (2, 4):
+    for pp in (int(p) for p in args.hostcost_pp.split(",")):
         llm = engine(args.model, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
                      pipeline_parallel_size=pp, distributed_executor_backend="mp")
         llm.generate(prompt_token_ids=[prompt(300, s) for s in range(4)],
@@ -219,7 +198,7 @@ def run_part(name: str, args: argparse.Namespace, extra: list[str], pin_self: bo
     if pin_self:
         env["XLA_FLAGS"] = PIN_FLAGS
     cmd = [sys.executable, __file__, "--part", name, "--model", args.model, "--prompt-len", str(args.prompt_len),
-           "--budget", str(args.budget), "--reps", str(args.reps), *extra]
+           "--budget", str(args.budget), "--reps", str(args.reps), "--hostcost-pp", args.hostcost_pp, *extra]
     for flag in ("trace", "png"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", str(Path(getattr(args, flag)).resolve())]
@@ -240,6 +219,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", default="speedup,ttft,hostcost")
+    parser.add_argument("--hostcost-pp", default="2,4,8", help="pipeline sizes of the host-cost part")
     parser.add_argument("--trace", default=None, help="Perfetto trace of the dynamic-chunking engine")
     parser.add_argument("--png", default=None, help="measured vs predicted timeline of one run")
     args = parser.parse_args()

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxcpp.chunking.latency_model import LatencyModel
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag."""
@@ -109,9 +111,18 @@ class ParallelConfig:
                                         "it (default: the address of the interface that reaches the "
                                         "coordinator; under Kubernetes, the pod IP)")
 
+    stand_in_latency: str | None = opt(
+        None, "benchmarks and load tests only: the stage processes run no model; each forward is a "
+        "wait of t(L, x) = c + gamma*L + b*x + a*(2*L*x + x*x) seconds per stage, given as 'a,b,c,gamma', "
+        "and its tokens are deterministic stand-ins; activations still cross the real hops "
+        "(needs --distributed-executor-backend mp)")
+    stand_in_jitter: float = opt(0.0, "with --stand-in-latency: relative standard deviation of a seeded "
+                                 "random factor on each stand-in forward")
+
     def __post_init__(self) -> None:
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
         self._check_distributed()
+        self._check_stand_in()
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         if self.pp_partition is not None:
             parts = self.partition_list()
@@ -155,6 +166,23 @@ class ParallelConfig:
             except ValueError:
                 raise ConfigError(f"--advertise-address: an IP address of this host is needed (the transfer "
                                   f"server binds it), got {self.advertise_address!r}") from None
+
+    def _check_stand_in(self) -> None:
+        _require(self.stand_in_jitter >= 0, "stand_in_jitter", f"must be >= 0, got {self.stand_in_jitter}")
+        if self.stand_in_latency is None:
+            return
+        _require(self.executor_backend == "mp", "stand_in_latency",
+                 "runs in stage processes: add --distributed-executor-backend mp")
+        try:
+            model = LatencyModel.parse_coeffs(self.stand_in_latency)
+        except ValueError:
+            model = None
+        _require(model is not None and min(model.a, model.b, model.c, model.gamma) >= 0, "stand_in_latency",
+                 f"expects four numbers >= 0 'a,b,c,gamma' (seconds), got {self.stand_in_latency!r}")
+
+    def stand_in_model(self) -> LatencyModel | None:
+        """The latency model stand-in stages wait by, or None for a real device."""
+        return None if self.stand_in_latency is None else LatencyModel.parse_coeffs(self.stand_in_latency)
 
     def partition_list(self) -> list[int]:
         assert self.pp_partition is not None

@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -33,6 +32,7 @@ from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
+from jaxcpp.in_flight import InFlight
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.page_allocator import PageAllocator
@@ -68,8 +68,8 @@ class LLMEngine:
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
         self.async_scheduling = config.scheduler.async_scheduling
-        self._depth = self.executor.max_in_flight + self.async_scheduling
-        self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
+        self._in_flight: InFlight[tuple[SchedulerOutput, int]] = InFlight(
+            self.executor.max_in_flight + self.async_scheduling)  # (step, ticket)
         self._aborted: list[RequestOutput] = []
         self._phases = PhaseRecorder()
         self._seed_rng = random.Random(config.model.seed)
@@ -149,10 +149,10 @@ class LLMEngine:
         return outputs
 
     def _pipe_has_room(self) -> bool:
-        return len(self._in_flight) < self._depth
+        return self._in_flight.has_room()
 
     def _submit_next(self) -> bool:
-        oldest = self._in_flight[0] if self.async_scheduling and self._in_flight else None
+        oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
             sched = self.scheduler.schedule(feedback_from=oldest[0].step_id if oldest else None)
@@ -166,22 +166,22 @@ class LLMEngine:
                                               ack=sched.ack,
                                               feedback_from=oldest[1] if oldest and sched.feeds_back else None)
         except ExecutorError:
-            self._in_flight.append((sched, -1))  # never submitted, but its requests fail with those in flight
+            self._in_flight.append((sched, -1), sched.samples)  # never submitted: fails with those in flight
             raise
-        self._in_flight.append((sched, ticket))
+        self._in_flight.append((sched, ticket), sched.samples)
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        sched, ticket = self._in_flight[0]  # taken off only once collected: a failure keeps it
+        sched, ticket = self._in_flight.oldest  # taken off only once collected: a failure keeps it
         phase = self._phases.timer(sched.step_id)
         try:
             with phase("wait"):
                 result = self.executor.collect(ticket)
             self._check_tokens(sched, result)
         except ExecutorError:
-            self._in_flight[0] = (sched, -1)  # the executor holds nothing more of it
+            self._in_flight.replace_oldest((sched, -1))  # the executor holds nothing more of it
             raise
         self._in_flight.popleft()
         with phase("postprocess"):

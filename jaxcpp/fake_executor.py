@@ -40,6 +40,37 @@ def printable_next_token(last: int, position: int, num_generated: int) -> int:
     return 32 + (last * 31 + position * 17 + 7) % 95
 
 
+def with_fed_back_tokens(step: StepInput, fed_back: np.ndarray) -> StepInput:
+    """What the first stage sees: placeholder decodes' input tokens read from the step fed back."""
+    rows = step.feedback_rows
+    return dataclasses.replace(step, token_ids=np.where(rows >= 0, fed_back[np.maximum(rows, 0)], step.token_ids))
+
+
+def fake_tokens(step: StepInput, next_token: NextToken = printable_next_token, eos_token_id: int | None = None,
+                eos_after: int | None = None) -> np.ndarray:
+    """Each sequence's next token by `next_token` from its last input token, position and count of
+    generated tokens; the `eos_after`-th generated token is `eos_token_id`. [S] int32."""
+    tokens = np.zeros(step.kv_lens.shape, np.int32)
+    for i in range(int(step.num_seqs)):
+        row = int(step.logits_indices[i])
+        generated = int(step.steps[i])
+        if eos_after is not None and generated + 1 == eos_after:
+            assert eos_token_id is not None, "eos_after needs eos_token_id"
+            tokens[i] = eos_token_id
+        else:
+            tokens[i] = next_token(int(step.token_ids[row]), int(step.positions[row]), generated)
+    return tokens
+
+
+def modelled_seconds(model: LatencyModel, step: StepInput) -> float:
+    """t = c + b·T + Σ_seq (γ·L + a·(2·L·x + x²)) for one stage of this micro-batch (T: padded tokens)."""
+    n = int(step.num_seqs)
+    x = np.diff(step.cu_q_lens[: n + 1]).astype(np.float64)
+    prefix = step.kv_lens[:n].astype(np.float64) - x
+    return float(model.c + model.b * step.num_tokens_padded
+                 + np.sum(model.gamma * prefix + model.a * (2 * prefix * x + x * x)))
+
+
 class FakeExecutor:
     def __init__(self, *, num_stages: int = 1, next_token: NextToken = printable_next_token,
                  eos_token_id: int | None = None, eos_after: int | None = None,
@@ -82,8 +113,6 @@ class FakeExecutor:
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None) -> int:
-        if len(self._pending) > self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
         shape = (step.num_tokens_padded, int(step.kv_lens.shape[0]))
         if shape not in self._programs:
             self._programs.add(shape)
@@ -92,7 +121,7 @@ class FakeExecutor:
             self.steps.append(step)
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         source = self._source(feedback_from)
-        tokens = self._tokens(self._with_fed_back_tokens(step, source[3]) if source else step)
+        tokens = self._tokens(with_fed_back_tokens(step, source[3]) if source else step)
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
         logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
         timings = self._run_stages(ticket, step, source[2] if source else 0.0)
@@ -131,33 +160,12 @@ class FakeExecutor:
         pass
 
     # ---- internals -----------------------------------------------------------------------------
-    @staticmethod
-    def _with_fed_back_tokens(step: StepInput, fed_back: np.ndarray) -> StepInput:
-        """What the first stage sees: placeholder decodes' input tokens read from the step fed back."""
-        rows = step.feedback_rows
-        return dataclasses.replace(step, token_ids=np.where(rows >= 0, fed_back[np.maximum(rows, 0)], step.token_ids))
-
     def _tokens(self, step: StepInput) -> np.ndarray:
-        tokens = np.zeros(step.kv_lens.shape, np.int32)
-        for i in range(int(step.num_seqs)):
-            row = int(step.logits_indices[i])
-            generated = int(step.steps[i])
-            if self.eos_after is not None and generated + 1 == self.eos_after:
-                assert self.eos_token_id is not None, "eos_after needs eos_token_id"
-                tokens[i] = self.eos_token_id
-            else:
-                tokens[i] = self.next_token(int(step.token_ids[row]), int(step.positions[row]), generated)
-        return tokens
+        return fake_tokens(step, self.next_token, self.eos_token_id, self.eos_after)
 
     def step_seconds(self, step: StepInput) -> float:
         """The latency model's time for one stage of this micro-batch (0 without a model)."""
-        m = self.latency
-        if m is None:
-            return 0.0
-        n = int(step.num_seqs)
-        x = np.diff(step.cu_q_lens[: n + 1]).astype(np.float64)
-        prefix = step.kv_lens[:n].astype(np.float64) - x
-        return float(m.c + m.b * step.num_tokens_padded + np.sum(m.gamma * prefix + m.a * (2 * prefix * x + x * x)))
+        return 0.0 if self.latency is None else modelled_seconds(self.latency, step)
 
     def _run_stages(self, ticket: int, step: StepInput, fed_back_done: float) -> tuple[StageTiming, ...]:
         """`fed_back_done`: a step that takes tokens from another starts once that one left the pipe."""

@@ -177,3 +177,13 @@ def pack(step: StepInput) -> tuple[np.ndarray, Layout]:
             raise TypeError(f"StepInput.{k} is {a.dtype}; packing needs 4-byte fields")
     buf = np.concatenate([a.reshape(-1).view(np.int32) for a in arrays])
     return buf, tuple(Field(k, a.shape, a.dtype) for k, a in zip(_FIELDS, arrays, strict=True))
+
+
+def unpack(buf: np.ndarray, layout: Layout) -> StepInput:
+    """`pack`'s inverse on the host (a stand-in stage reads the step it was sent)."""
+    fields, offset = {}, 0
+    for f in layout:
+        size = int(np.prod(f.shape, dtype=np.int64))
+        fields[f.name] = buf[offset:offset + size].view(f.dtype).reshape(f.shape)
+        offset += size
+    return StepInput(**fields)

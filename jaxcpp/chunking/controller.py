@@ -92,6 +92,7 @@ class DynamicChunkController:
         self._bases: dict[Hashable, int] = {}      # calibrating: the base chunk kept for a whole prompt
         self._plans: dict[Hashable, dict[int, int]] = {}  # optimal: planned chunk by its start
         self._admitted = 0
+        self._planned_this_step = False  # optimal: a prompt already took this step's planned chunk
         self._rejections_logged = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
         self.state = ChunkingState.CALIBRATING if enabled else ChunkingState.OFF
@@ -143,6 +144,7 @@ class DynamicChunkController:
     # ----- per step ---------------------------------------------------------------------------------
     def observe_step(self, num_prefill_sources: int) -> None:
         self.gate.observe(num_prefill_sources)
+        self._planned_this_step = False
         if self.state == ChunkingState.CALIBRATING:
             self.calibrator.tick()
             self._after_calibration()
@@ -153,6 +155,9 @@ class DynamicChunkController:
         fixed = max(min(self.settings.budget, budget_left, remaining), 0)
         if self.state in (ChunkingState.OFF, ChunkingState.GAVE_UP) or remaining <= 0 or single_forward:
             return fixed
+        if self.state == ChunkingState.INSTALLED and self.policy == "optimal":
+            return self._queued_plan_chunk(request_id, prompt_len, num_computed_tokens, budget_left, fixed,
+                                           step_tokens)
         if not self.gate.is_open:
             self._counts["fixed_concurrent"] += 1
             return fixed
@@ -255,6 +260,19 @@ class DynamicChunkController:
             return chunk
         step = snap_down(step_tokens + chunk, self.settings)
         return step - step_tokens if step > step_tokens else chunk
+
+    def _queued_plan_chunk(self, request_id: Hashable, prompt_len: int, done: int, budget_left: int, fixed: int,
+                           step_tokens: int) -> int:
+        """`optimal` with other prefills queued too: long prompts go one at a time, each in the chunks of
+        its own plan (the first asked in a step, the oldest, takes it); a later prompt joins the step only
+        if it fits whole in what is left of the budget, else it waits for its turn. Cutting several long
+        prompts at the fixed budget at once (ATOM's rule under concurrency) makes every chunk after the
+        first wait behind the slowest; planned one at a time, each prompt's chunks stay equal in time."""
+        if self._planned_this_step:
+            return fixed if fixed == prompt_len - done else 0
+        self._planned_this_step = True
+        chunk = self._model_chunk(request_id, prompt_len, done, budget_left, fixed)
+        return self._unpadded(chunk, prompt_len - done, step_tokens)
 
     def _model_chunk(self, request_id: Hashable, prompt_len: int, done: int, budget: int, fixed: int) -> int:
         assert self.model is not None

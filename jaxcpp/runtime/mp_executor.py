@@ -156,7 +156,6 @@ class MultiProcessExecutor:
         self._closed = False
         self._pending: collections.deque[_Pending] = collections.deque()
         self._results: dict[int, tuple[dict[str, Any], list[Any]]] = {}
-        self._discard: set[int] = set()
         # Async scheduling across processes: the last stage offers each sampled step's tokens to the
         # first as soon as it has them; the first pulls the one a step feeds back from, and drains
         # the offers no step will read (steps collected without being fed back from).
@@ -173,6 +172,10 @@ class MultiProcessExecutor:
         self._shape: StepShape | None = None
         self._trace: TraceWriter | None = None
         self.links = [_StageLink(s) for s in range(self.num_stages)]
+        if p.stand_in_latency is not None:
+            log.warning("STAND-IN DEVICE (--stand-in-latency %s, jitter %g): the stage processes run no model, "
+                        "each forward is a timed wait and the tokens are not a model's; for benchmarks and "
+                        "load tests only", p.stand_in_latency, p.stand_in_jitter)
         self._start(p.is_multi_host, p.coordinator_address)
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -325,10 +328,7 @@ class MultiProcessExecutor:
                 self._on_timing(ln, header)
             elif op == "result":
                 with self._lock:
-                    if header["id"] in self._discard:
-                        self._discard.discard(header["id"])
-                    else:
-                        self._results[header["id"]] = (header, arrays)
+                    self._results[header["id"]] = (header, arrays)
                     self._lock.notify_all()
             elif op == "compiled":
                 log.info("stage %d compiled bucket %d/%d: %d tokens (%.1fs)", header["stage"], header["bucket"],
@@ -402,8 +402,6 @@ class MultiProcessExecutor:
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None) -> int:
         self._raise_if_failed()
-        if len(self._pending) > self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
         if feedback_from is not None and all(p.ticket != feedback_from for p in self._pending):
             raise ValueError(f"feedback_from={feedback_from} is not in flight")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
@@ -424,6 +422,8 @@ class MultiProcessExecutor:
         return ticket
 
     def collect(self, ticket: int) -> StepResult:
+        """Once every stage has timed the step (it left the pipe, holding no activation any more), with
+        the last stage's tokens / logits when the step asked for them."""
         if not self._pending or self._pending[0].ticket != ticket:
             expected = self._pending[0].ticket if self._pending else None
             raise ValueError(f"tickets are collected in FIFO order: expected {expected}, got {ticket}")
@@ -433,22 +433,15 @@ class MultiProcessExecutor:
             self._to_drain.append(ticket)
         needs_result = head.want_tokens or head.want_logits
         with self._lock:
-            if not needs_result and not head.ack:  # nothing to wait for: drop the result when it comes
-                if self._results.pop(ticket, None) is None:
-                    self._discard.add(ticket)
-                self._acked.pop(ticket, None)
-                return StepResult(None)
-            while not ((not needs_result or ticket in self._results) and (not head.ack or ticket in self._acked)):
+            while not ((not needs_result or ticket in self._results) and ticket in self._acked):
                 self._raise_if_failed()
                 self._lock.wait(0.5)
             header, arrays = self._results.pop(ticket, ({}, []))
-            timings = self._acked.pop(ticket, ()) if head.ack else ()
-            if not head.ack:
-                self._acked.pop(ticket, None)
+            timings = self._acked.pop(ticket)
         it = iter(arrays)
         tokens = next(it) if header.get("tokens") else None
         logits = next(it) if header.get("logits") else None
-        return StepResult(tokens, logits, timings)
+        return StepResult(tokens, logits, timings if head.ack else ())
 
     def time_attention_free_forward(self, num_tokens: int) -> float:
         """The slowest stage's attention-free forward of `num_tokens`, each stage timing its own, all

@@ -3,9 +3,9 @@
     ticket = executor.submit(step)     # the step packed once, put on every stage in one device_put,
                                        # then stage 0 .. P-1 dispatched in order, activations handed
                                        # on with device_put; nothing here waits for a device
-    result = executor.collect(ticket)  # FIFO. Waits for the last stage only for what the step asked:
-                                       # its tokens (not for a step of middle prefill chunks), its
-                                       # logits, or with `ack` every stage's timing of it
+    result = executor.collect(ticket)  # FIFO. Waits until the step has left the last stage, and for
+                                       # what it asked: its tokens, its logits, or with `ack` every
+                                       # stage's timing of it
 
 Ordering is all JAX's: each stage's KV pages are donated, so a stage runs its micro-batches in
 submission order, and a stage's input is the previous stage's output, so a micro-batch runs its stages
@@ -96,8 +96,6 @@ class PipelineExecutor:
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None) -> int:
-        if len(self._pending) > self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         records: list[DispatchedStage] = []
         fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
@@ -137,6 +135,7 @@ class PipelineExecutor:
             raise ValueError(f"tickets are collected in FIFO order: expected {head.ticket}, got {ticket}")
         timings = self._timing.wait_for_ack(ticket) if head.ack else ()
         try:
+            jax.block_until_ready(head.output.tokens)  # out of the pipe: it holds no activation any more
             tokens = np.asarray(head.output.tokens) if head.want_tokens else None
             logits = np.asarray(head.output.logits) if head.want_logits else None
         except Exception as e:

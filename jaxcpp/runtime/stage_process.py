@@ -8,8 +8,8 @@ How a stage process comes up and runs:
     1. connect to the head's control channel (TCP, HMAC-authenticated; retried until the head is up),
        say hello (stage index, pid, host, the address it advertises), receive the head's EngineConfig
        and the coordinator address
-    2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when asked, pin
-       itself to its cores with single-threaded XLA:CPU; only then import jax
+    2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when it is to be
+       pinned, single-threaded XLA:CPU; only then import jax (and pin, once the jax client exists)
     3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service
        (a later stage first checks that it can reach it); build its `Stage` from its own layers
        (`load_stage_params`); start its transfer server on the advertised address and publish it in
@@ -73,16 +73,31 @@ def connect(address: tuple[str, int], authkey: bytes, parent_pid: int | None) ->
 
 
 def configure_process(num_devices: int, cores: list[int] | None) -> None:
-    """Before jax is imported: this stage's T devices (on CPU) and, if asked, its own cores,
-    single-threaded, so that stages really run side by side instead of fighting over every core."""
+    """Before jax is imported: this stage's T devices (on CPU) and, when it will be pinned to its own
+    cores (`pin_to_cores`), single-threaded XLA:CPU, so that stages really run side by side."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags += f" --xla_force_host_platform_device_count={num_devices}"
-    if cores:
-        os.sched_setaffinity(0, cores)
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    if cores and "xla_cpu_multi_thread_eigen" not in flags:
+        flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
     os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def pin_to_cores(cores: list[int]) -> None:
+    """Every thread of this process, and so every thread it starts later, on `cores` only.
+
+    Called once the jax client exists, never before: XLA:CPU sizes its client thread pool from the
+    cores the process may use when the client is created, and that pool runs both the computations
+    and the transfer server's sends. Pinned first, a one-core stage got a one-thread pool, and the
+    send of micro-batch k waited behind the forward of k + 1 (the next stage started k only when
+    this one finished k + 1). Created first, the pool keeps a thread per machine core; pinned
+    afterwards, those threads share this stage's core and a send interleaves with the forward.
+    """
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -161,6 +176,9 @@ class StageWorker:
         self.index = index
         num_stages = self._num_stages = setup["num_stages"]
         _join_coordinator(setup["coordinator"], my_ip, index, num_stages)
+        if setup.get("cores"):
+            jax.devices()  # creates the client and its thread pools before the process is pinned
+            pin_to_cores(setup["cores"])
         self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
                                                       [host_port(my_ip, 0)])
@@ -226,9 +244,8 @@ class StageWorker:
         jax.block_until_ready(out)
         done = time.perf_counter()
         self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
-                              "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
-                              "inputs_ready": inputs_ready,
-                              "start": inputs_ready, "done": done})
+                    "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
+                    "inputs_ready": inputs_ready, "start": inputs_ready, "done": done})
         if not self.stage.is_last:
             self._server.await_pull(ticket, out)
             return
@@ -237,11 +254,13 @@ class StageWorker:
             self._server.await_pull(ticket, tokens)  # before the result: a drain never waits
         elif self.stage.is_first:  # one stage: first and last
             self._recent_tokens[ticket] = tokens
+        if not (header["want_tokens"] or header["want_logits"]):
+            return  # a step of middle prompt chunks: its timing record is all the head waits for
         result = [np.asarray(tokens)] if header["want_tokens"] else []
         if header["want_logits"]:
             result.append(np.asarray(logits))
         self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
-                              "logits": header["want_logits"]}, result)
+                    "logits": header["want_logits"]}, result)
 
     def _feedback(self, ticket: int, source: int | None) -> Any:
         """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
@@ -355,29 +374,43 @@ def _layout(fields: list[list[Any]]) -> Any:
 
 
 def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> Any:
-    """This stage's `Stage`, from the head's config: the same sizing plan, so pages and buckets agree."""
+    """This stage's `Stage` (or its stand-in), from the head's config: the same sizing plan, so pages and
+    buckets agree."""
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
-    from jaxcpp.kernels.backend import select_attention
-    from jaxcpp.models.checkpoint import load_stage_params
     from jaxcpp.models.spec import resolve_model_spec
-    from jaxcpp.runtime.factory import enable_compilation_cache
     from jaxcpp.runtime.mesh import make_mesh, stage_mesh
-    from jaxcpp.runtime.stage import Stage
     from jaxcpp.sizing import EngineSizing
 
     config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
-    enable_compilation_cache()
     sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
     layers = sizing.layers[index]
-    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
-    mesh = make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices())
-    stage = Stage(index, num_stages, stage_mesh(mesh, 0), sizing.spec.config, params, layers, sizing.num_pages,
-                  sizing.page_size, select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
+    mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
+    stand_in = config.parallel.stand_in_model()
+    if stand_in is not None:
+        from jaxcpp.runtime.stand_in import StandInStage
+
+        stage: Any = StandInStage(index, num_stages, mesh, layers, stand_in, config.parallel.stand_in_jitter,
+                                  sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
+    else:
+        stage = _load_stage(index, num_stages, config, sizing, mesh)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
              layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing.shape
+
+
+def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any) -> Any:
+    from jaxcpp.kernels.backend import select_attention
+    from jaxcpp.models.checkpoint import load_stage_params
+    from jaxcpp.runtime.factory import enable_compilation_cache
+    from jaxcpp.runtime.stage import Stage
+
+    enable_compilation_cache()
+    layers = sizing.layers[index]
+    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
+    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
+                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,12 @@ matplotlib is imported inside the function only, so nothing else in the package 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jaxcpp.tools.simulator import SimResult
+from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.executor import StageTiming
+from jaxcpp.tools.simulator import SimResult, StageSpan
 
 
 def plot_timelines(results: Mapping[str, SimResult], path: str | Path, title: str = "") -> None:
@@ -40,3 +42,28 @@ def plot_timelines(results: Mapping[str, SimResult], path: str | Path, title: st
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def plot_measured_vs_predicted(timings: Sequence[StageTiming], model: LatencyModel, chunks: Sequence[int],
+                               num_stages: int, path: str | Path, title: str = "",
+                               stage_weights: Sequence[float] | None = None) -> None:
+    """One lone prompt's stage boxes as the stages timed them, beside the boxes `model` predicts for the
+    same chunks (stage s starts chunk k once stage s - 1 finished k and stage s finished k - 1)."""
+    t0 = min(t.start for t in timings)
+    first = min(t.ticket for t in timings)
+    measured = SimResult(ttft={"lone": max(t.done for t in timings) - t0},
+                         spans=[StageSpan(t.ticket - first, t.stage, t.start - t0, t.done - t0,
+                                          (("lone", 0, t.num_tokens),)) for t in timings])
+    weights = stage_weights or (1.0,) * num_stages
+    done = [[0.0] * len(chunks) for _ in weights]
+    spans, prefix = [], 0
+    for k, chunk in enumerate(chunks):
+        seconds = float(model.predict(prefix, chunk))
+        for s, weight in enumerate(weights):
+            start = max(done[s - 1][k] if s else 0.0, done[s][k - 1] if k else 0.0)
+            done[s][k] = start + seconds * weight
+            spans.append(StageSpan(k, s, start, done[s][k], (("lone", prefix, chunk),)))
+        prefix += chunk
+    predicted = SimResult(ttft={"lone": done[-1][-1]}, spans=spans)
+    plot_timelines({"measured (stage processes)": measured, "predicted (latency model)": predicted}, path,
+                   title=title)

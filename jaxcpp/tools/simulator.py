@@ -1,16 +1,16 @@
 """A pipeline simulator: P stages under the latency model, chunks from any policy, TTFT per request.
 
-How it moves: a step loop like the engine's. Whenever stage 0 is free and fewer than `max_in_flight`
-batches are in the pipeline, the scheduler forms a batch: it tells the policy how many requests could
-prefill (`observe_step`, so the controller's gate decides as it would in the engine), then asks it for
-a chunk per request (`prefill_chunk`), first come first served, until the token budget is spent. The
-policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's one chunk-sizing protocol: the controller, or
-`FixedPolicy` / `PlanPolicy` here.
-
-`simulate_engine` instead drives the real engine (scheduler, pages, controller) on a `FakeExecutor`
-whose virtual clock runs the same flow shop: the two agree for a lone prompt (a test checks it). The batch then flows
+How it moves: a step loop like the engine's. Whenever stage 0 is free and the engine's in-flight rule
+(`jaxcpp.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch:
+it tells the policy how many requests could prefill (`observe_step`, so the controller's gate decides
+as it would in the engine), then asks it for a chunk per request (`prefill_chunk`), first come first
+served, until the token budget is spent. The policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's
+one chunk-sizing protocol: the controller, or `FixedPolicy` / `PlanPolicy` here. The batch then flows
 through the stages in order (stage j takes w_j·t, a hop between stages costs hop_s + hop_s_per_token·n),
 each stage taking batches in order. A request's TTFT is when its last chunk leaves the last stage.
+
+`simulate_engine` instead drives the real engine (scheduler, pages, controller) on a `FakeExecutor`
+whose virtual clock runs the same flow shop: the two agree for a lone prompt (a test checks it).
 
 The simulated prefill worker runs prefills only (as the prefill side of a disaggregated deployment):
 no decodes share its steps. A batch's time is c once plus each chunk's (t − c). A policy that has
@@ -21,7 +21,6 @@ so calibration can be exercised end to end.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.in_flight import InFlight
 from jaxcpp.scheduler import ChunkSizer, FixedChunkSizer
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ class Pipeline:
     stage_weights: tuple[float, ...] | None = None
     hop_s: float = 0.0                            # per stage-to-stage transfer
     hop_s_per_token: float = 0.0
-    max_in_flight: int | None = None              # default: num_stages batches, as the PP head allows
+    max_in_flight: int | None = None              # the in-flight depth (default: num_stages, as the PP
+                                                  # head's; + 1 for async scheduling)
 
     def weights(self) -> tuple[float, ...]:
         return self.stage_weights or (1.0,) * self.num_stages
@@ -160,15 +161,14 @@ def simulate(pipeline: Pipeline, policy: ChunkSizer, budget: int,
     issued = len(initial)
     weights = pipeline.weights()
     stage_free = [0.0] * pipeline.num_stages
-    in_flight: deque[float] = deque()
-    limit = pipeline.max_in_flight or pipeline.num_stages
+    in_flight: InFlight[float] = InFlight(pipeline.max_in_flight or pipeline.num_stages)  # done times
     live: list[_Live] = []
     result = SimResult()
     now = 0.0
     while pending or live:
         if not live:
             now = max(now, pending[0][0])
-        while len(in_flight) >= limit:
+        while not in_flight.has_room():  # the engine's rule: collect the oldest
             now = max(now, in_flight.popleft())
         now = max(now, stage_free[0])
         while pending and pending[0][0] <= now:
@@ -197,7 +197,7 @@ def simulate(pipeline: Pipeline, policy: ChunkSizer, budget: int,
             result.spans.append(StageSpan(batch, stage, start, stage_free[stage], named))
             arrive = stage_free[stage] + pipeline.hop_s + pipeline.hop_s_per_token * tokens
         done = stage_free[-1]
-        in_flight.append(done)
+        in_flight.append(done, any(e.scheduled == e.request.prompt_len for e, _, _ in pieces))
         measured = max(weights) * forward * (1.0 + timing_noise * rng.uniform(-1.0, 1.0))
         entry, prefix, size = pieces[0]
         policy.record_timing(size, prefix, measured, len(pieces) == 1, entry.request.request_id)

@@ -81,9 +81,32 @@ def test_optimal_policy_follows_its_plan_and_replans_when_the_budget_cuts_it():
     assert sum(chunks) == 131072 and len(set(chunks)) > 2
     ctl.observe_step(1)
     first = ctl.chunk_size_for("s", 131072, 0, 32768)
+    ctl.observe_step(1)  # the scheduler asks a prompt for one chunk per step
     cut = ctl.chunk_size_for("s", 131072, first, 1000)  # a step with little budget left
     assert cut == 960
+    ctl.observe_step(1)
     assert ctl.chunk_size_for("s", 131072, first + cut, 32768) > 0  # replanned from there
+
+
+def test_optimal_prefills_long_prompts_one_at_a_time_in_their_own_plans():
+    """With other prefills queued, `optimal` gives the step's planned chunk to the first prompt asked
+    (the oldest); a later long prompt waits its turn (0), a short one that fits whole joins the step."""
+    ctl = DynamicChunkController(SETTINGS, policy="optimal", model=TRUE)
+    alone = prefill_alone(ctl, "alone", 131072)
+    ctl.observe_step(3)  # three prompts could prefill: the sole-prefill gate is closed
+    assert ctl.chunk_size_for("a", 131072, 0, 32768) == alone[0]
+    assert ctl.chunk_size_for("b", 131072, 0, 32768 - alone[0]) == 0
+    assert ctl.chunk_size_for("c", 1000, 0, 32768 - alone[0]) == 1000
+    done = alone[0]
+    for planned in alone[1:]:  # "a" keeps its own plan while "b" waits
+        ctl.observe_step(2)
+        assert ctl.chunk_size_for("a", 131072, done, 32768) == planned
+        assert ctl.chunk_size_for("b", 131072, 0, 32768 - planned) == 0
+        done += planned
+    ctl.finish_request("a")
+    ctl.observe_step(1)
+    assert ctl.chunk_size_for("b", 131072, 0, 32768) == alone[0]  # now b's turn, from its own plan
+    assert ctl.report_counts()["fixed_concurrent"] == 0
 
 
 def test_turns_off_when_not_applicable(caplog):

@@ -61,7 +61,7 @@ def test_sync_engine_sends_every_token_from_the_host():
     engine = make_engine(fake, async_scheduling=False)
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
     assert drain(engine)["a"].token_ids == FakeExecutor.expected_tokens([5, 6, 7], 8)
-    assert fed_back_tokens(fake) == 0 and engine._depth == fake.max_in_flight
+    assert fed_back_tokens(fake) == 0 and engine._in_flight.depth == fake.max_in_flight
 
 
 def test_a_token_scheduled_past_a_stop_is_dropped_and_its_pages_freed():

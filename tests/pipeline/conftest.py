@@ -12,16 +12,19 @@ from __future__ import annotations
 import pytest
 
 
-def write_random_model(folder, *, num_layers: int = 6, num_kv_heads: int = 2, tied: bool = False) -> str:
+def write_random_model(folder, *, num_layers: int = 6, num_kv_heads: int = 2, tied: bool = False,
+                       hidden_size: int = 64, intermediate_size: int = 128, num_heads: int = 4,
+                       max_position_embeddings: int = 512) -> str:
     import jax
 
     from jaxcpp.models.checkpoint import save_hf
     from jaxcpp.models.config import LlamaConfig
     from jaxcpp.models.llama import init_params
 
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
-                         max_position_embeddings=512, tie_word_embeddings=tied, eos_token_ids=(1,),
+    config = LlamaConfig(vocab_size=128, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tied, eos_token_ids=(1,),
                          bos_token_id=0)
     params = init_params(config, jax.random.key(7))
     params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)

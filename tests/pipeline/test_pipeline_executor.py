@@ -28,20 +28,19 @@ def a_step(executor, num_tokens: int = 64):
     return padding_step(num_tokens, executor._shape)
 
 
-def test_collect_retires_without_waiting_unless_asked(executor, monkeypatch):
+def test_collect_returns_only_what_was_asked(executor, monkeypatch):
+    """How many steps may be in flight is the engine's rule (`jaxcpp.in_flight`), not the executor's."""
     step = a_step(executor)
-    tickets = [executor.submit(step, want_tokens=False) for _ in range(executor.max_in_flight + 1)]  # P + 1
-    with pytest.raises(RuntimeError, match="already in flight"):
-        executor.submit(step)
+    tickets = [executor.submit(step, want_tokens=False) for _ in range(2 * (executor.max_in_flight + 1))]
     with pytest.raises(ValueError, match="FIFO"):
         executor.collect(tickets[1])
 
     def never(ticket):
-        raise AssertionError("collect waited for the last stage")
+        raise AssertionError("collect waited for the stages' timings")
 
     monkeypatch.setattr(executor._timing, "wait_for_ack", never)
     results = [executor.collect(t) for t in tickets]
-    # Nothing was fetched: a step of middle prefill chunks retires at the head at once.
+    # Nothing was fetched: a step of middle prefill chunks is collected without tokens or timings.
     assert all(r.tokens is None and r.logits is None and r.timings == () for r in results)
     monkeypatch.undo()
     result = executor.collect(executor.submit(step))

@@ -105,3 +105,27 @@ def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline(async_sc
     assert engine_chunks == sim.chunks["lone"] and engine_chunks[0] == 512 and engine_chunks[1] < 512
     # The engine pays the padding of the last (remainder) chunk on each stage; the simulator does not.
     assert 0 <= ttft - sim.ttft["lone"] <= 2 * model.b * 63 + 1e-12
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4, 8])
+def test_optimal_is_never_slower_than_the_best_fixed_chunk_at_any_concurrency(concurrency):
+    """Predicted (the simulator, the engine's scheduling rules): `concurrency` 128K prompts at once on PP 4,
+    mean TTFT of `optimal` against fixed chunks of 8K, 16K and 32K (engines with that budget)."""
+    from jaxcpp.buckets import token_buckets
+
+    requests = [SimRequest(i, 0.0, 131072) for i in range(concurrency)]
+    pipe = Pipeline(TRUE, 4, max_in_flight=5)
+    best_fixed = min(simulate(pipe, FixedPolicy(size), size, requests).mean_ttft for size in (8192, 16384, 32768))
+    settings = ChunkSettings(budget=32768, min_chunk_size=4096, pipeline_parallel_size=4,
+                             allowed_sizes=tuple(token_buckets(32768, 16)))
+    optimal = simulate(pipe, DynamicChunkController(settings, policy="optimal", model=TRUE), 32768, requests)
+    assert optimal.mean_ttft <= best_fixed
+    assert all(len(set(chunks)) > 2 for chunks in optimal.chunks.values()), "every prompt in its own plan"
+
+
+def test_optimal_still_batches_prompts_that_fit_whole():
+    requests = [SimRequest(i, 0.0, 1000) for i in range(8)]
+    result = simulate(Pipeline(TRUE, 4), DynamicChunkController(SETTINGS, policy="optimal", model=TRUE), 32768,
+                      requests)
+    batches = {span.batch for span in result.spans}
+    assert len(batches) == 1 and all(c == [1000] for c in result.chunks.values())
