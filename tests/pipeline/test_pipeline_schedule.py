@@ -72,9 +72,9 @@ def test_hop_never_waits_for_the_producers_next_forward(pinned_pp2):
 
 def test_first_stage_runs_a_lone_prompt_back_to_back(pinned_pp2):
     """Fixed chunks, dynamic chunking off (tests/pipeline/test_stand_in.py checks it calibrating and
-    installed): between two chunks the first stage waits less than 10% of a forward."""
+    installed): between two chunks the first stage waits less than a quarter of a forward or 20 ms."""
     probes = lone_prefill_probes(pinned_pp2, seed=3)
     first = [m[0] for m in probes.values()]
     gaps = [round(b["start"] - a["done"], 4) for a, b in zip(first, first[1:], strict=False)]
     forward = statistics.median(p["done"] - p["start"] for p in first)
-    assert max(gaps) < 0.1 * forward, f"first-stage gaps (s): {gaps}; median forward {forward:.3f} s"
+    assert max(gaps) < max(0.25 * forward, 0.02), f"first-stage gaps (s): {gaps}; median forward {forward:.3f} s"

@@ -62,11 +62,13 @@ def lone(llm: LLM, n: int, seed: int) -> list:
 
 
 def assert_first_stage_back_to_back(timings) -> None:
-    """Between two chunks of the prompt the first stage waits less than 10% of a forward."""
+    """Between two chunks of the prompt the first stage waits less than a quarter of a forward (or 20 ms,
+    a loaded machine's scheduling delay): a stage held back by the head waits a forward or more."""
     first = sorted((t for t in timings if t.stage == 0), key=lambda t: t.start)
     gaps = [b.start - a.done for a, b in zip(first, first[1:], strict=False)]
     forward = statistics.median(t.forward for t in first)
-    assert len(first) > 2 and max(gaps) < 0.1 * forward, f"first-stage gaps {gaps}, forward {forward:.3f} s"
+    assert len(first) > 2 and max(gaps) < max(0.25 * forward, 0.02), \
+        f"first-stage gaps {[round(g, 4) for g in gaps]}, forward {forward:.3f} s"
 
 
 def test_tokens_follow_the_fake_rule_through_the_real_runtime(stand_in):
