@@ -62,5 +62,5 @@ def test_serve_installs_only_the_package_and_test_adds_the_extras() -> None:
                                   capture_output=True, text=True, timeout=60).stdout
            for target in ("serve", "generate", "test")}
     for target in ("serve", "generate"):
-        assert "pip install --quiet -e . " in dry[target] and "[test" not in dry[target], dry[target]
-    assert 'pip install --quiet -e ".[test,parity]"' in dry["test"]
+        assert "pip install --quiet -c constraints.txt -e . " in dry[target] and "[test" not in dry[target], dry[target]
+    assert 'pip install --quiet -c constraints.txt -e ".[test,parity]"' in dry["test"]
