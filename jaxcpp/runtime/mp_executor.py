@@ -44,7 +44,7 @@ from multiprocessing.connection import Listener
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.executor import ExecutorError, HostPhase, StageTiming, StepResult
+from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
 from jaxcpp.runtime import wire
 from jaxcpp.runtime.stage_process import CONTROL_KEY_ENV, control_key
 from jaxcpp.runtime.trace import TraceWriter
@@ -78,6 +78,8 @@ class _Pending:
     want_logits: bool
     ack: bool
     submitted: float
+    want_logprobs: bool = False
+    want_prompt_logprobs: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -336,7 +338,8 @@ class MultiProcessExecutor:
         return time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None) -> int:
+               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
+               want_prompt_logprobs: bool = False) -> int:
         self._raise_if_failed()
         if len(self._pending) > self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight + 1} micro-batches already in flight: collect one first")
@@ -349,14 +352,16 @@ class MultiProcessExecutor:
         header = {"op": "step", "id": ticket, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
                   "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
-                  "offer_tokens": offer, "drain_tokens": self._to_drain}
+                  "offer_tokens": offer, "drain_tokens": self._to_drain, "want_logprobs": want_logprobs,
+                  "want_prompt_logprobs": want_prompt_logprobs}
         self._to_drain = []
         if offer:
             self._offered.add(ticket)
         with self._lock:
             self._submit_times[ticket] = time.perf_counter()
         self._broadcast(header, [buf])
-        self._pending.append(_Pending(ticket, want_tokens, want_logits, ack, time.perf_counter()))
+        self._pending.append(_Pending(ticket, want_tokens, want_logits, ack, time.perf_counter(), want_logprobs,
+                                      want_prompt_logprobs))
         return ticket
 
     def collect(self, ticket: int) -> StepResult:
@@ -367,7 +372,7 @@ class MultiProcessExecutor:
         if ticket in self._offered:  # no step submitted from now on can feed back from it
             self._offered.remove(ticket)
             self._to_drain.append(ticket)
-        needs_result = head.want_tokens or head.want_logits
+        needs_result = head.want_tokens or head.want_logits or head.want_logprobs or head.want_prompt_logprobs
         with self._lock:
             if not needs_result and not head.ack:  # nothing to wait for: drop the result when it comes
                 if self._results.pop(ticket, None) is None:
@@ -384,7 +389,9 @@ class MultiProcessExecutor:
         it = iter(arrays)
         tokens = next(it) if header.get("tokens") else None
         logits = next(it) if header.get("logits") else None
-        return StepResult(tokens, logits, timings)
+        logprobs = Logprobs(next(it), next(it), next(it)) if header.get("logprobs") else None
+        prompt = Logprobs(next(it), next(it), next(it)) if header.get("prompt_logprobs") else None
+        return StepResult(tokens, logits, timings, logprobs, prompt)
 
     def time_attention_free_forward(self, num_tokens: int) -> float:
         """The slowest stage's attention-free forward of `num_tokens`, each stage timing its own, all

@@ -209,16 +209,17 @@ class StageWorker:
         if not self.stage.is_last:
             self._server.await_pull(ticket, out)
             return
-        tokens, logits = out
         if header.get("offer_tokens"):
-            self._server.await_pull(ticket, tokens)  # before the result: a drain never waits
+            self._server.await_pull(ticket, out.tokens)  # before the result: a drain never waits
         elif self.stage.is_first:  # one stage: first and last
-            self._recent_tokens[ticket] = tokens
-        result = [np.asarray(tokens)] if header["want_tokens"] else []
-        if header["want_logits"]:
-            result.append(np.asarray(logits))
-        self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
-                              "logits": header["want_logits"]}, result)
+            self._recent_tokens[ticket] = out.tokens
+        wants = {"tokens": header["want_tokens"], "logits": header["want_logits"],
+                 "logprobs": header.get("want_logprobs", False),
+                 "prompt_logprobs": header.get("want_prompt_logprobs", False)}
+        parts = {"tokens": [out.tokens], "logits": [out.logits], "logprobs": out.sampled[1:],
+                 "prompt_logprobs": self.stage.run_prompt_logprobs(out) if wants["prompt_logprobs"] else ()}
+        result = [np.asarray(a) for name, wanted in wants.items() if wanted for a in parts[name]]
+        self._send({"op": "result", "id": ticket, **wants}, result)
 
     def _feedback(self, ticket: int, source: int | None) -> Any:
         """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
@@ -326,7 +327,8 @@ def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> An
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
     mesh = make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices())
     stage = Stage(index, num_stages, stage_mesh(mesh, 0), sizing.spec.config, params, layers, sizing.num_pages,
-                  sizing.page_size, select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
+                  sizing.page_size, select_attention(config.model.attention_backend), sizing.shape.max_num_seqs,
+                  sizing.token_buckets[-1])
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
              layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing.shape
