@@ -305,8 +305,8 @@ class LocalServer:
     """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM."""
 
     def __init__(self, serve_args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--log-level", "warning",
-               *serve_args]
+        cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--http-port", "0",
+               "--log-level", "warning", *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
