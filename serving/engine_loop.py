@@ -145,16 +145,6 @@ class EngineLoop:
             self._commands.put(_Command(fn, future))
         return future
 
-    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-            sink: Sink) -> Future[None]:
-        """Admit a request; its outputs go to `sink`. The future raises InvalidRequestError if refused."""
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, params)
-            self._sinks[request_id] = sink  # only once admitted: a refused request leaves nothing
-
-        return self.submit(add)
-
     def add_samples(self, state: RequestState, prompt: str | list[int], sink: Sink) -> Future[None]:
         """Admit a client request's engine requests (its n samples) together, or none of them."""
 

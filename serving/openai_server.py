@@ -213,8 +213,8 @@ class OpenAIServer:
                 self._tokenizer) for i, ids in enumerate(prompts)]
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e, COMPLETION_FIELDS) from None
-        call = _Call(call_id, "text_completion", self._names[0] if body.model is None else body.model, states,
-                     prompts, body.n, echo=body.echo)
+        call = _Call(call_id, "text_completion", body.model or self._names[0], states, prompts, body.n,
+                     self._tokenizer, echo=body.echo)
         return await self._respond(call, request, body.stream, body.include_usage, COMPLETION_FIELDS)
 
     async def _chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -230,8 +230,8 @@ class OpenAIServer:
                                           body.logprob_count(), None)
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e, CHAT_FIELDS) from None
-        call = _Call(call_id, "chat.completion", self._names[0] if body.model is None else body.model,
-                     [RequestState(call_id, params, self._tokenizer)], [ids], body.n, chat=True)
+        call = _Call(call_id, "chat.completion", body.model or self._names[0],
+                     [RequestState(call_id, params, self._tokenizer)], [ids], body.n, self._tokenizer, chat=True)
         return await self._respond(call, request, body.stream, body.include_usage, CHAT_FIELDS)
 
     # ---- one call ------------------------------------------------------------------------------
@@ -355,12 +355,12 @@ class _Call:
     """One HTTP call's samples (n per prompt, prompts of a batch), as chunks and as one response."""
 
     def __init__(self, call_id: str, kind: str, model: str, states: list[RequestState], prompts: list[list[int]],
-                 n: int, *, echo: bool = False, chat: bool = False) -> None:
+                 n: int, tokenizer: Tokenizer | None, *, echo: bool = False, chat: bool = False) -> None:
         self.id, self.kind, self.model, self.states, self.prompts = call_id, kind, model, states, prompts
         self.n, self.echo, self.chat = n, echo, chat
         self.created = int(time.time())
         self._started: set[int] = set()  # choices whose first chunk went out
-        self._tokenizer = states[0].samples[next(iter(states[0].samples))].tokenizer
+        self._tokenizer = tokenizer
 
     def header(self, suffix: str = "") -> Event:
         kind = f"{self.kind}.{suffix}" if suffix and self.chat else self.kind
