@@ -97,7 +97,9 @@ class OpenAIServer:
     async def start(self) -> int:
         cfg = self.config
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP. Without it a
+        # stream's first chunk waits behind its headers for the client's delayed ACK (Nagle: ~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((cfg.host, cfg.http_port))
         sock.listen(2048)

@@ -250,6 +250,12 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(http) -> None:
     wait_until(lambda: idle(server), timeout=5)
 
 
+def test_the_listening_socket_says_tcp_so_streams_are_not_held_by_nagle(http) -> None:
+    _, server = http()
+    sockets = [s for srv in server.server.http._server.servers for s in srv.sockets]  # type: ignore[union-attr]
+    assert sockets and all(s.proto == socket.IPPROTO_TCP for s in sockets)  # asyncio sets TCP_NODELAY then
+
+
 def test_tokenize_detokenize_version_metrics_and_the_remote_tokenizer(http) -> None:
     _, server = http()
     base = f"http://127.0.0.1:{server.http_port}"
