@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from jaxcpp.errors import InvalidRequestError
 
@@ -90,9 +91,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @cached_property
     def is_plain(self) -> bool:
-        """Asks only for what every step carries (temperature, top-k, top-p, seed)."""
+        """Asks only for what every step carries (temperature, top-k, top-p, seed): read per chunk per step."""
         return (not self.has_penalties and self.min_p == 0.0 and self.min_tokens == 0
                 and self.prompt_logprobs is None)
 

@@ -315,3 +315,16 @@ def test_concurrent_streams_from_threads(http) -> None:
         t.join()
     assert len(results) == 16
     wait_until(lambda: idle(server))
+
+
+def test_past_the_grace_period_an_http_stream_ends_with_finish_reason_abort(serve) -> None:
+    engine = fake_engine(step_delay_s=0.01)
+    server = serve(engine)
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    with post(url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True}) as r:
+        assert r.readline().startswith(b"data: ")
+        server.stop(grace=0.2)  # what SIGTERM runs: drain, then abort what is left
+        events = _sse_events(line.decode().rstrip("\n") for line in r)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+    stats = engine.stats()
+    assert (stats.num_pages_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
