@@ -136,11 +136,12 @@ class LLMEngine:
             raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
                                       f"prompt must fit --max-num-batched-tokens {budget}")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """End a request now and free its pages; `reason` "stop" when the edge matched a stop string."""
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return
-        self.scheduler.finish(seq, "abort", time.monotonic())
+        self.scheduler.finish(seq, reason, time.monotonic())
         self._aborted.append(self._output(seq, []))
 
     def has_unfinished_requests(self) -> bool:

@@ -70,7 +70,7 @@ class LLM:
                 request = by_engine_id[out.request_id]
                 delta = request.process(out)
                 if needs_abort(out, delta):  # a stop string: the engine's abort output is ignored
-                    self.engine.abort_request(out.request_id)
+                    self.engine.abort_request(out.request_id, "stop")
                 if delta is not None and delta.finished:
                     finished[out.request_id] = _final(out, request.samples[out.request_id])
         return [_grouped([finished[rid] for rid, _ in r.engine_requests]) for r in requests]

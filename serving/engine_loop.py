@@ -40,7 +40,7 @@ class Engine(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, group: str | None = None) -> None: ...
-    def abort_request(self, request_id: str) -> None: ...
+    def abort_request(self, request_id: str, reason: str = "abort") -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -165,12 +165,13 @@ class EngineLoop:
 
         return self.submit(add)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if finished or unknown); its sink gets nothing more."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request (no-op if finished or unknown); its sink gets nothing more. `reason` is what
+        the metrics count it as ("stop" for a stop string the edge matched)."""
 
         def abort() -> None:
             if self._sinks.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
+                self.engine.abort_request(request_id, reason)
                 self._publish_stats(force=True)
 
         self.submit(abort)

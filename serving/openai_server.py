@@ -279,7 +279,7 @@ class OpenAIServer:
                 state = states[out.request_id]
                 delta = state.process(out)
                 if needs_abort(out, delta):  # a stop string ended it
-                    engine.abort(out.request_id)
+                    engine.abort(out.request_id, "stop")
                 if delta is not None and (delta.token_ids or delta.text or delta.finished):
                     yield call.chunk(call.states.index(state), state, out, delta)
             if include_usage:

@@ -172,7 +172,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed this request: {out.error}")
                 delta = state.process(out)
                 if needs_abort(out, delta):  # a stop string ended it
-                    self._engine.abort(out.request_id)
+                    self._engine.abort(out.request_id, "stop")
                 if delta is not None:
                     yield self._response(request_id, out, delta)
         except InvalidRequestError as exc:  # the engine refused it
