@@ -328,3 +328,22 @@ def test_past_the_grace_period_an_http_stream_ends_with_finish_reason_abort(serv
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
     stats = engine.stats()
     assert (stats.num_pages_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
+
+
+def test_tls_and_mutual_tls_on_the_http_port(serve, tmp_path) -> None:
+    import shutil
+    import ssl
+
+    from tests.serving.test_security import _ca_and_leaf
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    server_ca, server_cert, server_key = _ca_and_leaf(tmp_path, "server", "localhost")
+    client_ca, client_cert, client_key = _ca_and_leaf(tmp_path, "client", "alice")
+    server = serve(fake_engine(), tls_cert=str(server_cert), tls_key=str(server_key), tls_client_ca=str(client_ca))
+    url = f"https://127.0.0.1:{server.http_port}/v1/models"
+    context = ssl.create_default_context(cafile=str(server_ca))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):  # no client certificate
+        urllib.request.urlopen(url, context=context, timeout=10).read()
+    context.load_cert_chain(str(client_cert), str(client_key))
+    assert json.load(urllib.request.urlopen(url, context=context, timeout=10))["data"][0]["id"] == "tiny"
