@@ -95,7 +95,7 @@ class SamplingParams:
     def is_plain(self) -> bool:
         """Asks only for what every step carries (temperature, top-k, top-p, seed): read per chunk per step."""
         return (not self.has_penalties and self.min_p == 0.0 and self.min_tokens == 0
-                and self.prompt_logprobs is None)
+                and self.logprobs is None and self.prompt_logprobs is None)
 
     @property
     def reads_history_on_device(self) -> bool:

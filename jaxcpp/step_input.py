@@ -105,6 +105,7 @@ class StepInput:
     history_slot: np.ndarray    # [S] int32: the sampling row's device history slot (penalties), -1 = none
     clear_slot: np.ndarray      # [S] int32: a slot to empty first (a request's first chunk), -1 = none
     banned_ids: np.ndarray      # [S, MAX_BANNED_IDS] int32: stop ids min_tokens bans for now, -1 = none
+    wants_logprobs: np.ndarray  # [S] int32: 1 where the sampled token's logprobs are asked for
     prompt_slot: np.ndarray     # [T] int32: the history slot this prompt token joins, -1 = none
     prompt_targets: np.ndarray  # [T] int32: the next prompt token, whose log-probability is asked, or -1
 
@@ -168,8 +169,8 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
 
 
 def _write_extras(step: StepInput, sched: SchedulerOutput, offsets: np.ndarray) -> None:
-    """Penalties, min_p, min_tokens' bans, history slots and prompt-logprob targets: only steps that
-    carry a request asking for one of them pay for writing them."""
+    """Penalties, min_p, min_tokens' bans, history slots, logprobs and prompt-logprob targets: only
+    steps that carry a request asking for one of them pay for writing them."""
     chunks, n = sched.chunks, len(sched.chunks)
     params = [c.seq.params for c in chunks]
     step.min_p[:n] = [p.min_p for p in params]
@@ -181,6 +182,7 @@ def _write_extras(step: StepInput, sched: SchedulerOutput, offsets: np.ndarray) 
         prompt_len = len(seq.prompt_token_ids)
         if c.samples:
             step.history_slot[i] = seq.history_slot
+            step.wants_logprobs[i] = seq.params.logprobs is not None
             if int(step.steps[i]) < seq.params.min_tokens:
                 step.banned_ids[i, :len(seq.banned_ids)] = seq.banned_ids
         if c.history_start >= 0:
@@ -207,6 +209,7 @@ def _padding(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
         presence_penalty=np.zeros(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
         repetition_penalty=np.ones(num_seqs, np.float32), history_slot=np.full(num_seqs, -1, np.int32),
         clear_slot=np.full(num_seqs, -1, np.int32), banned_ids=np.full((num_seqs, MAX_BANNED_IDS), -1, np.int32),
+        wants_logprobs=np.zeros(num_seqs, np.int32),
         prompt_slot=np.full(num_tokens, -1, np.int32), prompt_targets=np.full(num_tokens, -1, np.int32))
 
 

@@ -8,6 +8,7 @@ One step's sampling (`sample_step`), for each of the W rows the last stage hands
     min_tokens       the request's stop ids banned (-inf) until it has generated enough tokens
     draw             `sample`: greedy, or temperature -> min_p -> top_k -> top_p -> a seeded draw
     logprobs         log-softmax of the model's raw logits: the drawn token's, and the top MAX_LOGPROBS
+                     (zeros when no row asks: on CPU they are not computed then)
     history tables   the drawn token counted for its request
 
 Penalties need each request's history, which the host cannot send every step (W x vocab counts), nor
@@ -26,12 +27,13 @@ data, not shape: still one program): all-greedy batches take the argmax alone, a
 when some sampling row sets top-k or top-p. Elsewhere every batch runs all of it: a GPU conditional
 copies its predicate to the host and waits for it, a host sync per step that would undo async
 scheduling. Either way a row's token is the same: the masks are exact no-ops on rows that do not ask
-for them (top_k 0, top_p 1, min_p 0), so a row never depends on the rows beside it.
+for them (top_k 0, top_p 1, min_p 0, no history, no ban), so a row never depends on the rows beside
+it. The same holds for the history, the ban and the logprobs (`_when`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +65,7 @@ class SamplingInput(NamedTuple):
     history_slot: jax.Array        # [W] int32: the row's history slot, -1 = none
     clear_slot: jax.Array          # [W] int32: a slot to empty before this step's prompt tokens, -1 = none
     banned_ids: jax.Array          # [W, MAX_BANNED_IDS] int32: ids that may not be drawn, -1 = none
+    wants_logprobs: jax.Array      # [W] int32: 1 for a row whose request asks for logprobs
     token_ids: jax.Array           # [Tmax] int32: the step's tokens
     prompt_slot: jax.Array         # [Tmax] int32: the slot a prompt token joins, -1 = none
 
@@ -79,15 +82,31 @@ def empty_history(num_slots: int, vocab_size: int) -> History:
 
 
 def sample_step(x: SamplingInput, history: History) -> tuple[SampledTokens, History]:
-    history = _add_prompt_tokens(history, x)
-    logits = apply_penalties(x.logits, *_rows_history(history, x.history_slot), x.presence_penalty,
-                             x.frequency_penalty, x.repetition_penalty)
-    logits = _ban(logits, x.banned_ids)
+    has_history = jnp.any(x.history_slot >= 0)
+    history = _when(jnp.any(x.clear_slot >= 0) | jnp.any(x.prompt_slot >= 0),
+                    lambda h: _add_prompt_tokens(h, x), history)
+    logits = _when(has_history, lambda lg: apply_penalties(lg, *_rows_history(history, x.history_slot),
+                                                           x.presence_penalty, x.frequency_penalty,
+                                                           x.repetition_penalty), x.logits)
+    logits = _when(jnp.any(x.banned_ids >= 0), lambda lg: _ban(lg, x.banned_ids), logits)
     tokens = sample(logits, x.temperature, x.top_k, x.top_p, x.seeds, x.steps, x.min_p)
-    token_lp, top_ids, top_lp = logprobs_of(x.logits, tokens)
+    rows = x.logits.shape[0]
+    no_logprobs = (jnp.zeros(rows), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS)))
+    token_lp, top_ids, top_lp = _when(jnp.any(x.wants_logprobs > 0), lambda _: logprobs_of(x.logits, tokens),
+                                      no_logprobs)
     counted = _slot_index(x.history_slot, history.counts.shape[0])
-    history = history._replace(counts=history.counts.at[counted, tokens].add(1, mode="drop"))
+    history = _when(has_history, lambda h: h._replace(counts=h.counts.at[counted, tokens].add(1, mode="drop")),
+                    history)
     return SampledTokens(tokens, token_lp, top_ids, top_lp), history
+
+
+def _when(pred: jax.Array, fn: Any, operand: Any) -> Any:
+    """`fn(operand)` where some row asks for it. On CPU only when `pred` holds (`lax.cond`: the parts no
+    row asks for cost nothing); elsewhere always, since a device conditional syncs the host (module
+    docstring). Either way a row's result is the same: each part is a no-op for rows that do not ask."""
+    if jax.default_backend() != "cpu":
+        return fn(operand)
+    return lax.cond(pred, fn, lambda o: o, operand)
 
 
 def logprobs_of(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -71,7 +71,8 @@ class PromptLogprobs(NamedTuple):
 
 
 ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p", "presence_penalty",
-              "frequency_penalty", "repetition_penalty", "history_slot", "clear_slot", "banned_ids")
+              "frequency_penalty", "repetition_penalty", "history_slot", "clear_slot", "banned_ids",
+              "wants_logprobs")
 TOKEN_FIELDS = ("token_ids", "prompt_slot")
 PROMPT_LOGPROB_BLOCK = 64  # rows of logits at once: every token bucket is a multiple of it
 

@@ -66,6 +66,7 @@ def step_input(**over: object) -> sampler.SamplingInput:
                   min_p=jnp.zeros(W), presence_penalty=jnp.zeros(W), frequency_penalty=jnp.zeros(W),
                   repetition_penalty=jnp.ones(W), history_slot=jnp.full(W, -1, jnp.int32),
                   clear_slot=jnp.full(W, -1, jnp.int32), banned_ids=jnp.full((W, MAX_BANNED_IDS), -1, jnp.int32),
+                  wants_logprobs=jnp.ones(W, jnp.int32),
                   token_ids=jnp.zeros(t, jnp.int32), prompt_slot=jnp.full(t, -1, jnp.int32))
     fields.update({k: jnp.asarray(v) for k, v in over.items()})
     return sampler.SamplingInput(**fields)  # type: ignore[arg-type]
@@ -99,3 +100,21 @@ def test_the_history_gathers_prompt_tokens_counts_draws_and_is_cleared_for_a_new
     assert not np.asarray(history.in_prompt[0]).any() and not np.asarray(history.counts[0]).any()
     cleared, history = step(step_input(clear_slot=np.array([1, -1, -1, -1], np.int32)), history)
     assert not np.asarray(history.in_prompt).any() and not np.asarray(history.counts).any()
+
+
+def test_the_cpu_path_skips_only_what_no_row_asks_for(monkeypatch) -> None:
+    """On CPU the history, the ban and the logprobs run under lax.cond; elsewhere always: same results."""
+    banned = np.full((W, MAX_BANNED_IDS), -1, np.int32)
+    banned[2, 0] = int(LOGITS[2].argmax())
+    x = step_input(history_slot=np.array([0, -1, 1, -1], np.int32), repetition_penalty=np.full(W, 1.5),
+                   banned_ids=banned, wants_logprobs=np.array([1, 0, 0, 1], np.int32),
+                   token_ids=np.array([3, 5, 0, 0, 0, 0, 0, 0], np.int32),
+                   prompt_slot=np.array([0, 1, -1, -1, -1, -1, -1, -1], np.int32))
+    cpu = jax.jit(sampler.sample_step)(x, sampler.empty_history(2, V))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # traced anew, unconditional
+    other = jax.jit(sampler.sample_step)(x, sampler.empty_history(2, V))
+    for a, b in zip(jax.tree_util.tree_leaves(cpu), jax.tree_util.tree_leaves(other), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    nothing = step_input(wants_logprobs=np.zeros(W, np.int32))
+    out, _ = jax.jit(sampler.sample_step)(nothing, sampler.empty_history(2, V))
+    assert list(np.asarray(out.tokens)) == list(LOGITS.argmax(-1))
