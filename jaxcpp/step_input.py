@@ -113,6 +113,12 @@ class StepInput:
     def num_tokens_padded(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def needs_full_sampler(self) -> bool:
+        """Some row samples with a penalty history or banned ids, or some prompt token joins a history:
+        the last stage then runs the sampler program that has them (`jaxcpp.runtime.sampler.sample_step`)."""
+        return bool((self.history_slot >= 0).any() or (self.prompt_slot >= 0).any() or (self.banned_ids >= 0).any())
+
 
 @dataclass(frozen=True)
 class StepShape:

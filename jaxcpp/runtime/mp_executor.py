@@ -353,7 +353,7 @@ class MultiProcessExecutor:
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
                   "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
                   "offer_tokens": offer, "drain_tokens": self._to_drain, "want_logprobs": want_logprobs,
-                  "want_prompt_logprobs": want_prompt_logprobs}
+                  "want_prompt_logprobs": want_prompt_logprobs, "needs_full_sampler": step.needs_full_sampler}
         self._to_drain = []
         if offer:
             self._offered.add(ticket)

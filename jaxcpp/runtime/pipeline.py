@@ -203,4 +203,4 @@ class PipelineExecutor:
         """The step packed once on the host and put on every stage's devices in one `device_put`."""
         buf, layout = pack(step)
         bufs = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
-        return [StageInput(b, layout) for b in bufs]
+        return [StageInput(b, layout, step.needs_full_sampler) for b in bufs]

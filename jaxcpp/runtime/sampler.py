@@ -3,13 +3,15 @@ seeds, and the log-probabilities clients ask for. The full logits never leave th
 
 One step's sampling (`sample_step`), for each of the W rows the last stage hands over:
 
-    history tables   clear the rows' slots that start a request, add the step's prompt tokens
-    penalties        repetition (prompt + generated tokens), frequency and presence (generated tokens)
-    min_tokens       the request's stop ids banned (-inf) until it has generated enough tokens
+    history tables   clear the rows' slots that start a request, add the step's prompt tokens  (*)
+    penalties        repetition (prompt + generated tokens), frequency and presence (generated tokens)  (*)
+    min_tokens       the request's stop ids banned (-inf) until it has generated enough tokens  (*)
     draw             `sample`: greedy, or temperature -> min_p -> top_k -> top_p -> a seeded draw
     logprobs         log-softmax of the model's raw logits: the drawn token's, and the top MAX_LOGPROBS
                      (zeros when no row asks: on CPU they are not computed then)
-    history tables   the drawn token counted for its request
+    history tables   the drawn token counted for its request  (*)
+
+(*) only in the program for steps where some row has a history or a ban; the host picks the program.
 
 Penalties need each request's history, which the host cannot send every step (W x vocab counts), nor
 know in time (async scheduling feeds tokens back on the device). So the last stage keeps it: `History`,
@@ -28,7 +30,7 @@ when some sampling row sets top-k or top-p. Elsewhere every batch runs all of it
 copies its predicate to the host and waits for it, a host sync per step that would undo async
 scheduling. Either way a row's token is the same: the masks are exact no-ops on rows that do not ask
 for them (top_k 0, top_p 1, min_p 0, no history, no ban), so a row never depends on the rows beside
-it. The same holds for the history, the ban and the logprobs (`_when`).
+it (no history, no ban: exact no-ops too). The logprobs are skipped on CPU the same way (`_when`).
 """
 
 from __future__ import annotations
@@ -81,29 +83,32 @@ def empty_history(num_slots: int, vocab_size: int) -> History:
     return History(jnp.zeros((num_slots, vocab_size), jnp.int32), jnp.zeros((num_slots, vocab_size), bool))
 
 
-def sample_step(x: SamplingInput, history: History) -> tuple[SampledTokens, History]:
-    has_history = jnp.any(x.history_slot >= 0)
-    history = _when(jnp.any(x.clear_slot >= 0) | jnp.any(x.prompt_slot >= 0),
-                    lambda h: _add_prompt_tokens(h, x), history)
-    logits = _when(has_history, lambda lg: apply_penalties(lg, *_rows_history(history, x.history_slot),
-                                                           x.presence_penalty, x.frequency_penalty,
-                                                           x.repetition_penalty), x.logits)
-    logits = _when(jnp.any(x.banned_ids >= 0), lambda lg: _ban(lg, x.banned_ids), logits)
+def sample_step(x: SamplingInput, history: History | None) -> tuple[SampledTokens, History | None]:
+    """One step's sampling. `history` None: no row of the step has a history or a ban, and this program
+    (a second one, traced for None) does neither: the host picks it from the step's own data
+    (`StepInput.needs_full_sampler`), so a step without penalties or min_tokens pays nothing for them, on
+    any backend and without a device conditional."""
+    logits = x.logits
+    if history is not None:
+        history = _add_prompt_tokens(history, x)
+        logits = apply_penalties(logits, *_rows_history(history, x.history_slot), x.presence_penalty,
+                                 x.frequency_penalty, x.repetition_penalty)
+        logits = _ban(logits, x.banned_ids)
     tokens = sample(logits, x.temperature, x.top_k, x.top_p, x.seeds, x.steps, x.min_p)
     rows = x.logits.shape[0]
     no_logprobs = (jnp.zeros(rows), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS)))
     token_lp, top_ids, top_lp = _when(jnp.any(x.wants_logprobs > 0), lambda _: logprobs_of(x.logits, tokens),
                                       no_logprobs)
-    counted = _slot_index(x.history_slot, history.counts.shape[0])
-    history = _when(has_history, lambda h: h._replace(counts=h.counts.at[counted, tokens].add(1, mode="drop")),
-                    history)
+    if history is not None:
+        counted = _slot_index(x.history_slot, history.counts.shape[0])
+        history = history._replace(counts=history.counts.at[counted, tokens].add(1, mode="drop"))
     return SampledTokens(tokens, token_lp, top_ids, top_lp), history
 
 
 def _when(pred: jax.Array, fn: Any, operand: Any) -> Any:
-    """`fn(operand)` where some row asks for it. On CPU only when `pred` holds (`lax.cond`: the parts no
-    row asks for cost nothing); elsewhere always, since a device conditional syncs the host (module
-    docstring). Either way a row's result is the same: each part is a no-op for rows that do not ask."""
+    """`fn(operand)` where some row asks for it. On CPU only when `pred` holds (`lax.cond`: the logprobs
+    cost nothing when no row asks); elsewhere always, since a device conditional syncs the host (module
+    docstring). Either way a row's result is the same."""
     if jax.default_backend() != "cpu":
         return fn(operand)
     return lax.cond(pred, fn, lambda o: o, operand)

@@ -51,6 +51,7 @@ from jaxcpp.step_input import Layout, StepShape, pack, padding_step
 class StageInput(NamedTuple):
     packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
     layout: Layout     # how to cut it apart (static: one per bucket)
+    needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
 
 
 class StepOutput(NamedTuple):
@@ -196,7 +197,8 @@ class Stage:
         self._prompt_logprobs.lower(self.params, hidden, self._aval(buf.shape, buf.dtype), layout=layout).compile()
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
-                self._sampler.lower(sampling, self.history).compile()
+                for history in (None, self.history):  # the plain and the full sampler program
+                    self._sampler.lower(sampling, history).compile()
                 self._sampler_compiled = True
 
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -238,7 +240,10 @@ class Stage:
         if not self.is_last:
             return out
         sampling, hidden = out
-        sampled, self.history = self._sampler(sampling, self.history)
+        if batch.needs_full_sampler:  # penalties or min_tokens in the step: the program that has them
+            sampled, self.history = self._sampler(sampling, self.history)
+        else:
+            sampled, _ = self._sampler(sampling, None)
         return StepOutput(sampled, sampling.logits, hidden, batch)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:

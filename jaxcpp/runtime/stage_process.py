@@ -192,7 +192,8 @@ class StageWorker:
 
         received = time.perf_counter()
         ticket, num_tokens = header["id"], header["num_tokens"]
-        batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]))
+        batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
+                           header.get("needs_full_sampler", False))
         pull_start = time.perf_counter()
         self._drain_tokens(header.get("drain_tokens", ()))
         fed_back = self._feedback(ticket, header["feedback_from"])

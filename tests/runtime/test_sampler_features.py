@@ -103,7 +103,8 @@ def test_the_history_gathers_prompt_tokens_counts_draws_and_is_cleared_for_a_new
 
 
 def test_the_cpu_path_skips_only_what_no_row_asks_for(monkeypatch) -> None:
-    """On CPU the history, the ban and the logprobs run under lax.cond; elsewhere always: same results."""
+    """On CPU the logprobs run under lax.cond; elsewhere always: same results. Without a history (None)
+    the rows without one draw what they draw with it."""
     banned = np.full((W, MAX_BANNED_IDS), -1, np.int32)
     banned[2, 0] = int(LOGITS[2].argmax())
     x = step_input(history_slot=np.array([0, -1, 1, -1], np.int32), repetition_penalty=np.full(W, 1.5),
@@ -115,6 +116,9 @@ def test_the_cpu_path_skips_only_what_no_row_asks_for(monkeypatch) -> None:
     other = jax.jit(sampler.sample_step)(x, sampler.empty_history(2, V))
     for a, b in zip(jax.tree_util.tree_leaves(cpu), jax.tree_util.tree_leaves(other), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    plain, none = jax.jit(sampler.sample_step)(x._replace(history_slot=jnp.full(W, -1, jnp.int32)), None)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(plain.tokens)[[1, 3]], np.asarray(cpu[0].tokens)[[1, 3]])
     nothing = step_input(wants_logprobs=np.zeros(W, np.int32))
-    out, _ = jax.jit(sampler.sample_step)(nothing, sampler.empty_history(2, V))
+    out, _ = jax.jit(sampler.sample_step)(nothing, None)
     assert list(np.asarray(out.tokens)) == list(LOGITS.argmax(-1))
