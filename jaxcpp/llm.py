@@ -59,7 +59,8 @@ class LLM:
         prompt's output is its first sample's, and `.samples` holds all n."""
         inputs = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(inputs))
-        requests = [RequestState(f"offline-{next(self._ids)}", p, self.engine.tokenizer) for p in params]
+        requests = [RequestState(f"offline-{next(self._ids)}", p, self.engine.tokenizer, streaming=False)
+                    for p in params]
         by_engine_id = {rid: r for r in requests for rid, _ in r.engine_requests}
         for request, prompt in zip(requests, inputs, strict=True):
             for rid, p in request.engine_requests:

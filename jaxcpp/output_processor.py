@@ -57,6 +57,7 @@ class SampleStream:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    streaming: bool = True                       # text deltas wanted as tokens arrive (the servers)
     _sent: int = 0                               # characters of `text` handed out so far
     _detok: IncrementalDetokenizer | None = None
 
@@ -89,6 +90,9 @@ class SampleStream:
     def _add_text(self, out: RequestOutput, new_ids: list[int]) -> None:
         if self.tokenizer is None:
             return
+        if not self.streaming and not self.params.stop:  # nothing to watch for: decode once, at the end
+            self.text = self.tokenizer.decode(self.token_ids) if out.finished else ""
+            return
         if self._detok is None:  # the prompt's last ids give the first tokens their context
             self._detok = IncrementalDetokenizer(self.tokenizer, out.prompt_token_ids)
         start = max(0, len(self.text) - self._reach)
@@ -113,10 +117,14 @@ class SampleStream:
 class RequestState:
     """One client request: its n samples, each an engine request, by engine request id."""
 
-    def __init__(self, request_id: str, params: SamplingParams, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, tokenizer: Tokenizer | None,
+                 streaming: bool = True) -> None:
+        """`streaming` False (LLM.generate): the text is decoded once, at the end, unless stop strings
+        must be watched for on the way."""
         self.request_id = request_id
         self.engine_requests = fan_out(request_id, params)
-        self.samples = {rid: SampleStream(i, p, tokenizer) for i, (rid, p) in enumerate(self.engine_requests)}
+        self.samples = {rid: SampleStream(i, p, tokenizer, streaming=streaming)
+                        for i, (rid, p) in enumerate(self.engine_requests)}
         self.prompt_output: RequestOutput | None = None  # the first output: prompt ids and logprobs
 
     def process(self, out: RequestOutput) -> SampleDelta | None:

@@ -265,7 +265,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
                            admit: bool = False) -> int:
-        in_progress = self._prefixes_in_progress() if admit and self.prefix_caching else {}
+        in_progress: dict[tuple[str, PageHash], Sequence] | None = None  # built when a sample of a group waits
         for seq in candidates:
             if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
                 break
@@ -275,10 +275,12 @@ class Scheduler:
                 if seq.awaiting_token:
                     break  # preempted with a token in flight: its recompute needs that token
                 shared = self._shared_prefix(seq)
-                if shared in in_progress:
-                    continue  # a sibling is computing its prefix: wait and read it from the cache
+                if shared is not None:
+                    in_progress = self._prefixes_in_progress() if in_progress is None else in_progress
+                    if shared in in_progress:
+                        continue  # a sibling is computing its prefix: wait and read it from the cache
                 chunk = self._admit(seq, budget_left, out.num_tokens)
-                if chunk and shared is not None:
+                if chunk and shared is not None and in_progress is not None:
                     in_progress[shared] = seq
                 if chunk == 0:
                     break  # new prompts wait for pages rather than evict running work
@@ -294,7 +296,8 @@ class Scheduler:
 
     def _shared_prefix(self, seq: Sequence) -> tuple[str, PageHash] | None:
         """(its group, its prompt's first page) for a request of a group of samples the cache could serve."""
-        if seq.group is None or len(seq.prompt_token_ids) <= self.page_size or seq.params.reads_history_on_device:
+        if (seq.group is None or not self.prefix_caching or len(seq.prompt_token_ids) <= self.page_size
+                or seq.params.reads_history_on_device):
             return None
         return seq.group, seq.page_hashes(1, self.page_size)[0]
 
