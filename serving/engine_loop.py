@@ -171,7 +171,10 @@ class EngineLoop:
 
         def abort() -> None:
             if self._sinks.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id, reason)
+                if reason == "abort":
+                    self.engine.abort_request(request_id)
+                else:
+                    self.engine.abort_request(request_id, reason)
                 self._publish_stats(force=True)
 
         self.submit(abort)
