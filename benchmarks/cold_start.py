@@ -85,7 +85,7 @@ def start_to_serving(cache_dir: str, serve_args: list[str], timeout_s: float,
     """Start `jaxcpp serve`, poll health until SERVING; return the timings and the log's compile lines."""
     port = free_port()
     env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": cache_dir}
-    argv = ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    argv = ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0", *serve_args]
     cmd = [sys.executable, __file__, "--serve-child", baseline, *argv] if baseline else [JAXCPP, *argv]
     log_lines: list[str] = []
     t0 = time.perf_counter()

@@ -13,6 +13,15 @@ writes all of it, with per-request token timestamps, as JSON.
 `--max-num-batched-tokens`), runs the same workload against each, and writes the markdown table and
 the ITL-over-time plot.
 
+`run --backend openai --target http://HOST:PORT/v1` measures the OpenAI-compatible HTTP API instead
+(streamed /v1/completions, read as raw server-sent events, so no client library's parsing is timed).
+
+`frontends`: gRPC and HTTP side by side: one local `jaxcpp serve` with both front ends on one engine,
+the same workload through each in turn (`--rounds` times, alternating), at each `--concurrencies`
+level; reports TTFT and ITL medians and p99 per front end, the HTTP/gRPC ratio of median ITL, and each
+front end's time to first token against the engine's own TTFT (the mean of the server's
+jaxcpp_time_to_first_token_seconds histogram over the same requests): the front end's cost.
+
 `prefix`: prefix caching on and off, one local server each, the same two workloads against both:
 (a) `--num-prompts` requests sharing a `--shared-prefix-len` system prompt, each with its own
 `--random-input-len` suffix; (b) `--num-conversations` multi-turn chats of `--num-turns` turns, each
@@ -21,6 +30,8 @@ replies) plus a new user turn. Reports TTFT, throughput and the prefix-cache hit
 hit / queried tokens over the workload) as a markdown table.
 
     python benchmarks/serving.py run --target 127.0.0.1:50051 --num-prompts 200 --request-rate 8
+    python benchmarks/serving.py run --backend openai --target http://127.0.0.1:8000/v1 --num-prompts 200
+    python benchmarks/serving.py frontends --concurrencies 1,32 --rounds 3 --out frontends.md
     python benchmarks/serving.py sweep --budgets 64,128,256 --out sweep.md
     python benchmarks/serving.py prefix --serve-args "--model tiny --max-model-len 2048" --num-prompts 64
 """
@@ -139,30 +150,97 @@ async def _one(client: AsyncClient, spec: RequestSpec, t0: float) -> RequestResu
     return res
 
 
+async def _one_openai(http: Any, url: str, model: str, spec: RequestSpec, t0: float) -> RequestResult:
+    """One streamed /v1/completions request, timed on the raw server-sent events: each event that
+    carries a choice is one engine step's output (the server sends one per step with new tokens)."""
+    prompt_len = len(spec.prompt) if isinstance(spec.prompt, list) else 0
+    start = time.perf_counter()
+    res = RequestResult(spec.kind, prompt_len, start - t0)
+    last = start
+    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with http.stream("POST", url + "/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[6:])
+                if event.get("choices"):
+                    if res.output_len == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    res.token_times.append(now - t0)
+                    res.output_len += 1
+                    last = now
+                elif event.get("usage"):
+                    res.prompt_len = event["usage"]["prompt_tokens"]
+                    res.output_len = event["usage"]["completion_tokens"]
+        res.e2el = time.perf_counter() - start
+        res.success = True
+    except Exception as exc:  # a failed request is reported, not fatal
+        res.error = repr(exc)
+    return res
+
+
+def _http_client(api_key: str | None) -> Any:
+    """An async HTTP client (httpx, or httpx2, which the openai package brings) with room for every stream."""
+    try:
+        import httpx
+    except ImportError:
+        import httpx2 as httpx  # type: ignore[no-redef]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(headers=headers, timeout=None, limits=httpx.Limits(max_connections=1024))
+
+
+async def _openai_model(url: str, api_key: str | None) -> str:
+    async with _http_client(api_key) as http:
+        for _ in range(300):
+            try:
+                return str((await http.get(url + "/models")).json()["data"][0]["id"])
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.1)
+    raise SystemExit(f"{url}: no model list")
+
+
 async def run_workload(target: str, specs: list[RequestSpec], gaps: list[float], max_concurrency: int | None,
-                       api_key: str | None = None) -> tuple[list[RequestResult], float]:
+                       api_key: str | None = None, backend: str = "grpc") -> tuple[list[RequestResult], float]:
+    if backend == "openai":
+        model = await _openai_model(target, api_key)
+        async with _http_client(api_key) as http:
+            return await _drive(lambda spec, t0: _one_openai(http, target, model, spec, t0), specs, gaps,
+                                max_concurrency)
     async with AsyncClient(target, api_key=api_key) as client:
         await client.wait_ready(30)
-        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        t0 = time.perf_counter()
+        return await _drive(lambda spec, t0: _one(client, spec, t0), specs, gaps, max_concurrency)
 
-        async def limited(spec: RequestSpec) -> RequestResult:
-            if sem is None:
-                return await _one(client, spec, t0)
-            async with sem:
-                return await _one(client, spec, t0)
 
-        async def at(spec: RequestSpec) -> RequestResult:  # injected: fixed time, outside the limit
-            assert spec.send_at is not None
-            await asyncio.sleep(max(0.0, t0 + spec.send_at - time.perf_counter()))
-            return await _one(client, spec, t0)
+async def _drive(one: Any, specs: list[RequestSpec], gaps: list[float],
+                 max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+    """Send `specs` at their arrival gaps (injected ones at their own times), at most `max_concurrency` at once."""
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t0 = time.perf_counter()
 
-        tasks = [asyncio.create_task(at(s)) for s in specs if s.send_at is not None]
-        for spec, gap in zip([s for s in specs if s.send_at is None], gaps, strict=False):
-            tasks.append(asyncio.create_task(limited(spec)))
-            await asyncio.sleep(gap)
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - t0
+    async def limited(spec: RequestSpec) -> RequestResult:
+        if sem is None:
+            return await one(spec, t0)
+        async with sem:
+            return await one(spec, t0)
+
+    async def at(spec: RequestSpec) -> RequestResult:  # injected: fixed time, outside the limit
+        assert spec.send_at is not None
+        await asyncio.sleep(max(0.0, t0 + spec.send_at - time.perf_counter()))
+        return await one(spec, t0)
+
+    tasks = [asyncio.create_task(at(s)) for s in specs if s.send_at is not None]
+    for spec, gap in zip([s for s in specs if s.send_at is None], gaps, strict=False):
+        tasks.append(asyncio.create_task(limited(spec)))
+        await asyncio.sleep(gap)
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
 
 
 async def run_conversations(target: str, num_conversations: int, num_turns: int, turn_len: int, output_len: int,
@@ -284,10 +362,16 @@ async def _model_vocab(target: str, api_key: str | None) -> tuple[int, set[int]]
         return info.vocab_size, set(info.eos_token_ids)
 
 
-def run_once(args: argparse.Namespace, target: str) -> dict[str, Any]:
-    vocab_size, eos = asyncio.run(_model_vocab(target, args.api_key))
+def run_once(args: argparse.Namespace, target: str, vocab_target: str | None = None) -> dict[str, Any]:
+    """`vocab_target`: a gRPC address to read the vocabulary from (the openai backend's --vocab-size else)."""
+    backend = getattr(args, "backend", "grpc")
+    if backend == "openai" and vocab_target is None:
+        vocab_size, eos = args.vocab_size, set()
+    else:
+        vocab_size, eos = asyncio.run(_model_vocab(vocab_target or target, args.api_key))
     specs, gaps = build_workload(args, vocab_size, eos)
-    results, duration = asyncio.run(run_workload(target, specs, gaps, args.max_concurrency, args.api_key))
+    results, duration = asyncio.run(run_workload(target, specs, gaps, args.max_concurrency, args.api_key,
+                                                 backend))
     summary = summarize(results, duration, args.percentiles, parse_goodput(args.goodput))
     return {"config": {k: v for k, v in vars(args).items() if k != "func"}, "summary": summary,
             "requests": [asdict(r) for r in results]}
@@ -305,13 +389,14 @@ class LocalServer:
     """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM."""
 
     def __init__(self, serve_args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--log-level", "warning",
-               *serve_args]
+        cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--http-port", "0",
+               "--log-level", "warning", *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("jaxcpp: serving"):
                 self.target = line.split(" on ")[1].split()[0]
+                self.http_url = next((w for w in line.split() if w.startswith("http")), "")
                 return
         raise SystemExit(f"server exited with {self.proc.wait()}: {' '.join(cmd)}")
 
@@ -344,6 +429,75 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.plot:
         plot_itl_over_time(rows, args.plot)
     return 0
+
+
+def cmd_frontends(args: argparse.Namespace) -> int:
+    """gRPC and HTTP in turn against one server, `--rounds` times per concurrency level."""
+    server = LocalServer(args.serve_args.split())
+    rows = []
+    try:
+        for concurrency in args.concurrencies:
+            pooled: dict[str, list[dict[str, Any]]] = {"grpc": [], "openai": []}
+            engine_ttft: dict[str, list[float]] = {"grpc": [], "openai": []}
+            for _ in range(args.rounds):
+                for backend in ("grpc", "openai"):
+                    run_args = argparse.Namespace(**{**vars(args), "backend": backend,
+                                                     "max_concurrency": concurrency,
+                                                     "num_prompts": args.prompts_per_client * concurrency})
+                    before = _engine_ttft(server.http_url)
+                    result = run_once(run_args, server.http_url if backend == "openai" else server.target,
+                                      vocab_target=server.target)
+                    after = _engine_ttft(server.http_url)
+                    engine_ttft[backend].append((after[0] - before[0]) / max(after[1] - before[1], 1))
+                    pooled[backend] += result["requests"]
+                    print(f"c={concurrency} {backend:<6} ITL p50 {result['summary']['itl_ms']['median']:.2f} ms  "
+                          f"TTFT p50 {result['summary']['ttft_ms']['median']:.1f} ms", flush=True)
+            for backend, requests in pooled.items():
+                summary = summarize([RequestResult(**r) for r in requests], 1.0, [99], {})
+                rows.append({"concurrency": concurrency, "backend": backend, "summary": summary,
+                             "engine_ttft_ms": 1e3 * float(np.mean(engine_ttft[backend])),
+                             "ttft_ms_each": [round(r["ttft"] * 1e3, 2) for r in requests]})
+    finally:
+        server.stop()
+    table = frontends_table(rows)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _engine_ttft(http_url: str) -> tuple[float, float]:
+    """(sum, count) of the server's own TTFT histogram, from /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(http_url.removesuffix("/v1") + "/metrics").read().decode()
+    values = {}
+    for line in text.splitlines():
+        for key in ("jaxcpp_time_to_first_token_seconds_sum", "jaxcpp_time_to_first_token_seconds_count"):
+            if line.startswith(key + " "):
+                values[key] = float(line.split()[1])
+    return values["jaxcpp_time_to_first_token_seconds_sum"], values["jaxcpp_time_to_first_token_seconds_count"]
+
+
+def frontends_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| concurrency | front end | TTFT median | TTFT p99 | ITL median | ITL p99 | client TTFT mean | "
+             "engine TTFT mean | front-end cost | requests |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        s = r["summary"]
+        lines.append(f"| {r['concurrency']} | {'gRPC' if r['backend'] == 'grpc' else 'HTTP (OpenAI)'} | "
+                     f"{s['ttft_ms']['median']:.1f} ms | {s['ttft_ms']['p99']:.1f} ms | "
+                     f"{s['itl_ms']['median']:.2f} ms | {s['itl_ms']['p99']:.2f} ms | "
+                     f"{s['ttft_ms']['mean']:.1f} ms | {r['engine_ttft_ms']:.1f} ms | "
+                     f"{s['ttft_ms']['mean'] - r['engine_ttft_ms']:.1f} ms | {s['completed']} |")
+    itl = {(r["concurrency"], r["backend"]): r["summary"]["itl_ms"]["median"] for r in rows}
+    for c in sorted({r["concurrency"] for r in rows}):
+        if itl.get((c, "grpc")):
+            lines.append(f"\nconcurrency {c}: HTTP median ITL / gRPC median ITL = "
+                         f"{itl[(c, 'openai')] / itl[(c, 'grpc')]:.3f}")
+    return "\n".join(lines)
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
@@ -449,7 +603,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="benchmark a running server")
-    run.add_argument("--target", default="127.0.0.1:50051")
+    run.add_argument("--target", default="127.0.0.1:50051", help="gRPC host:port, or the OpenAI API's base URL "
+                     "(http://HOST:PORT/v1) with --backend openai")
+    run.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
+    run.add_argument("--vocab-size", type=int, default=256, help="openai backend: random prompt ids below this")
+    frontends = sub.add_parser("frontends", help="gRPC vs HTTP side by side on one local server")
+    frontends.add_argument("--serve-args", default="--model tiny", help="flags for `jaxcpp serve`")
+    frontends.add_argument("--concurrencies", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    frontends.add_argument("--rounds", type=int, default=3, help="alternations of the two front ends")
+    frontends.add_argument("--prompts-per-client", type=int, default=4,
+                           help="requests per round: this many per concurrent client")
+    frontends.add_argument("--out", default=None, help="write the markdown table here")
     sweep = sub.add_parser("sweep", help="chunked-prefill study: one local server per configuration")
     sweep.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
     sweep.add_argument("--unchunked-budget", type=int, default=1024,
@@ -462,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--num-conversations", type=int, default=8)
     prefix.add_argument("--num-turns", type=int, default=4)
     prefix.add_argument("--turn-input-len", type=int, default=128, help="tokens of each new user turn")
-    for p in (run, sweep, prefix):
+    for p in (run, sweep, prefix, frontends):
         p.add_argument("--api-key", default=None)
         p.add_argument("--num-prompts", type=int, default=100)
         p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
@@ -484,6 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     sweep.set_defaults(func=cmd_sweep)
     prefix.set_defaults(func=cmd_prefix)
+    frontends.set_defaults(func=cmd_frontends)
     return parser
 
 

@@ -82,7 +82,7 @@ def main() -> None:
               num_pages=1024, log_stats_interval_s=0)
     rows = []
     for limit in args.max_stream_buffer:
-        with ServerThread(llm.engine, ServerConfig(port=0, max_stream_buffer=limit)) as server:
+        with ServerThread(llm.engine, ServerConfig(port=0, http_port=0, max_stream_buffer=limit)) as server:
             target = f"127.0.0.1:{server.port}"
             normal_throughput(target, 4, 16)  # warm the channel and the engine
             alone, beside, complete = [], [], True

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     if args.target is None:
         cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", args.model, "--port", "0",
-               *args.serve_args.split()]
+               "--http-port", "0", *args.serve_args.split()]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         line = proc.stdout.readline()

@@ -242,13 +242,24 @@ API_KEY_ENV = "JAXCPP_API_KEY"
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = opt("127.0.0.1", "address to bind; the default is loopback only")
+    host: str = opt("127.0.0.1", "address to bind (both APIs); the default is loopback only")
     port: int = opt(50051, "gRPC port (0: pick a free one)")
-    metrics_port: int | None = opt(None, "serve Prometheus metrics on this port")
-    max_queue_size: int = opt(256, "requests waiting or running before RESOURCE_EXHAUSTED")
-    max_message_bytes: int = opt(4 * 1024 * 1024, "largest gRPC message accepted or sent")
+    http_port: int = opt(8000, "OpenAI-compatible HTTP API port (0: pick a free one)")
+    enable_grpc: bool = opt(True, "serve the gRPC API on --port (--no-enable-grpc: HTTP only)")
+    enable_http: bool = opt(True, "serve the OpenAI-compatible HTTP API on --http-port (--no-enable-http: gRPC "
+                            "only)")
+    served_model_name: str | None = opt(None, "model name(s) the HTTP API answers to, comma-separated "
+                                        "(default: --model as given)")
+    chat_template: str | None = opt(None, "jinja2 chat template for /v1/chat/completions: a file, or the "
+                                    "template itself (default: the model's tokenizer_config.json)")
+    metrics_port: int | None = opt(None, "serve Prometheus metrics on this port (the HTTP API serves them "
+                                   "at /metrics too)")
+    max_queue_size: int = opt(256, "calls waiting or running, both APIs together, before RESOURCE_EXHAUSTED "
+                              "(gRPC) or 429 (HTTP)")
+    max_message_bytes: int = opt(4 * 1024 * 1024, "largest gRPC message accepted or sent, and largest HTTP "
+                                 "request body (413 beyond)")
     max_prompt_bytes: int = opt(1024 * 1024, "largest text prompt, in UTF-8 bytes, checked before "
-                                "tokenizing (INVALID_ARGUMENT beyond)")
+                                "tokenizing (INVALID_ARGUMENT, or HTTP 413, beyond)")
     max_stream_buffer: int = opt(256, "responses a stream may hold for a client that is not reading; "
                                  "past it the request is aborted with RESOURCE_EXHAUSTED")
     tls_cert: str | None = opt(None, "PEM certificate chain for TLS")
@@ -263,6 +274,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(0 <= self.http_port <= 65535, "http_port", f"must be in [0, 65535], got {self.http_port}")
+        _require(self.enable_grpc or self.enable_http, "enable_http", "--no-enable-grpc and --no-enable-http "
+                 "leave nothing to serve")
         _require(self.max_queue_size >= 1, "max_queue_size", "must be >= 1")
         _require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
         _require(self.max_prompt_bytes >= 1, "max_prompt_bytes", "must be >= 1")

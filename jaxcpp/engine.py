@@ -36,7 +36,7 @@ from jaxcpp.in_flight import InFlight
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.page_allocator import PageAllocator
-from jaxcpp.sampling_params import SamplingParams
+from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
 from jaxcpp.scheduler import ChunkSizer, FixedChunkSizer, Scheduler, SchedulerOutput, StopRule
 from jaxcpp.sequence import Sequence
 from jaxcpp.sizing import EngineSizing
@@ -91,15 +91,28 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, group: str | None = None) -> None:
+        """`group`: the samples of one prompt (n > 1) share one id here, so they share one prefill."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
-                       RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
+                       RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
+                       banned_ids=self._banned_ids(params), group=group)
         self.scheduler.add(seq)
+
+    def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids)."""
+        if params.min_tokens == 0:
+            return ()
+        eos = () if params.ignore_eos else self.sizing.eos_token_ids
+        banned = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+        if len(banned) > MAX_BANNED_IDS:
+            raise InvalidRequestError("stop_token_ids", f"with min_tokens, at most {MAX_BANNED_IDS} stop ids "
+                                      f"(EOS included) can be held back; got {len(banned)}")
+        return banned
 
     def _encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -123,11 +136,12 @@ class LLMEngine:
             raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
                                       f"prompt must fit --max-num-batched-tokens {budget}")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """End a request now and free its pages; `reason` "stop" when the edge matched a stop string."""
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return
-        self.scheduler.finish(seq, "abort", time.monotonic())
+        self.scheduler.finish(seq, reason, time.monotonic())
         self._aborted.append(self._output(seq, []))
 
     def has_unfinished_requests(self) -> bool:
@@ -164,7 +178,9 @@ class LLMEngine:
             with phase("dispatch"):
                 ticket = self.executor.submit(step, want_tokens=sched.samples, want_logits=self.record_logits,
                                               ack=sched.ack,
-                                              feedback_from=oldest[1] if oldest and sched.feeds_back else None)
+                                              feedback_from=oldest[1] if oldest and sched.feeds_back else None,
+                                              want_logprobs=sched.wants_logprobs,
+                                              want_prompt_logprobs=sched.wants_prompt_logprobs)
         except ExecutorError:
             self._in_flight.append((sched, -1), sched.samples)  # never submitted: fails with those in flight
             raise
@@ -225,15 +241,12 @@ class LLMEngine:
             log.error("a step in flight with the failed one failed too: %s", e)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        p = seq.params
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
-                             seq.is_finished, seq.finish_reason, seq.metrics, self._final_text(seq),
-                             logits=seq.logits or None, num_cached_tokens=seq.num_cached_tokens)
-
-    def _final_text(self, seq: Sequence) -> str:
-        """Detokenize once, at the end; streaming callers use `IncrementalDetokenizer` per step."""
-        if not seq.is_finished or self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(seq.output_token_ids)
+                             seq.is_finished, seq.finish_reason, seq.metrics,
+                             logits=seq.logits or None, num_cached_tokens=seq.num_cached_tokens,
+                             logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+                             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None)
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

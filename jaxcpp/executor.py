@@ -1,7 +1,8 @@
 """The contract between the engine (host) and whatever runs the model. Host data both ways; no jax.
 
     seconds = executor.warmup(shape)            # compile every program the engine will use
-    ticket = executor.submit(step, want_tokens=True, want_logits=False, ack=False, feedback_from=None)
+    ticket = executor.submit(step, want_tokens=True, want_logits=False, ack=False, feedback_from=None,
+                             want_logprobs=False, want_prompt_logprobs=False)
     result = executor.collect(ticket)           # FIFO, numpy arrays only
     seconds = executor.time_attention_free_forward(num_tokens)   # the calibration sweep
     executor.num_compilations()                 # programs compiled since the executor was built
@@ -16,7 +17,10 @@ step an async engine submits before it collects the oldest. What crosses the con
                          read on the device (`StepInput.feedback_rows`), never through the host
     executor -> engine   StepResult: tokens [S] (unless want_tokens=False: a step of middle prefill
                          chunks samples nothing and is collected without waiting for the device),
-                         logits [S, V] when asked at submit, and with `ack` each stage's StageTiming
+                         logits [S, V] when asked at submit, and with `ack` each stage's StageTiming;
+                         with want_logprobs each sampled token's log-probability and the top
+                         MAX_LOGPROBS [S], with want_prompt_logprobs every token's of its
+                         `prompt_targets` entry [T]: computed on the device, only these come home
 
 `ack`: collect waits until the last stage has acknowledged the micro-batch, i.e. every stage finished
 and timed it (dynamic chunking needs the timing before it sizes the next chunk). A failed stage or
@@ -55,10 +59,21 @@ class StageTiming:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Log-probabilities the device computed, one row per sequence (sampled) or per token (prompt)."""
+
+    logprobs: np.ndarray      # [N] float32: of the token chosen (sampled, or the next prompt token)
+    top_ids: np.ndarray       # [N, MAX_LOGPROBS] int32, most likely first
+    top_logprobs: np.ndarray  # [N, MAX_LOGPROBS] float32
+
+
+@dataclass(frozen=True)
 class StepResult:
     tokens: np.ndarray | None             # [S] int32 (padding rows: garbage); None if want_tokens=False
     logits: np.ndarray | None = None      # [S, V] float32, when submitted with want_logits=True
     timings: tuple[StageTiming, ...] = ()  # one per stage in stage order, when submitted with ack=True
+    logprobs: Logprobs | None = None      # [S] rows, when submitted with want_logprobs=True
+    prompt_logprobs: Logprobs | None = None  # [T] rows, when submitted with want_prompt_logprobs=True
 
     @property
     def forward_time(self) -> float | None:
@@ -93,7 +108,8 @@ class Executor(Protocol):
     def warmup(self, shape: StepShape) -> float: ...
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None) -> int: ...
+               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
+               want_prompt_logprobs: bool = False) -> int: ...
 
     def collect(self, ticket: int) -> StepResult: ...
 

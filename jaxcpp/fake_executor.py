@@ -28,7 +28,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.executor import HostPhase, StageTiming, StepResult
+from jaxcpp.executor import HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.sampling_params import MAX_LOGPROBS
 from jaxcpp.step_input import StepInput, StepShape
 
 # (last token id, its position, tokens the sequence generated so far) -> the next token
@@ -60,6 +61,12 @@ def fake_tokens(step: StepInput, next_token: NextToken = printable_next_token, e
         else:
             tokens[i] = next_token(int(step.token_ids[row]), int(step.positions[row]), generated)
     return tokens
+
+
+def next_tokens(step: StepInput, next_token: NextToken = printable_next_token) -> np.ndarray:
+    """What each token row predicts (its one-hot logits' argmax), as if it were the last of its sequence."""
+    return np.array([next_token(int(t), int(p), 0) for t, p in zip(step.token_ids, step.positions, strict=True)],
+                    np.int32)
 
 
 def modelled_seconds(model: LatencyModel, step: StepInput) -> float:
@@ -112,7 +119,8 @@ class FakeExecutor:
         return 0.0
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None) -> int:
+               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
+               want_prompt_logprobs: bool = False) -> int:
         shape = (step.num_tokens_padded, int(step.kv_lens.shape[0]))
         if shape not in self._programs:
             self._programs.add(shape)
@@ -125,8 +133,11 @@ class FakeExecutor:
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
         logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
         timings = self._run_stages(ticket, step, source[2] if source else 0.0)
-        self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits, timings if ack else ()),
-                              timings[-1].done, tokens))
+        logprobs = self.one_hot_logprobs(tokens, tokens, width) if want_logprobs else None
+        prompt = self.one_hot_logprobs(next_tokens(step, self.next_token), step.prompt_targets, width) \
+            if want_prompt_logprobs else None
+        self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits, timings if ack else (),
+                                                 logprobs, prompt), timings[-1].done, tokens))
         return ticket
 
     def _source(self, feedback_from: int | None) -> tuple[int, StepResult, float, np.ndarray] | None:
@@ -162,6 +173,19 @@ class FakeExecutor:
     # ---- internals -----------------------------------------------------------------------------
     def _tokens(self, step: StepInput) -> np.ndarray:
         return fake_tokens(step, self.next_token, self.eos_token_id, self.eos_after)
+
+
+    @staticmethod
+    def one_hot_logprobs(predicted: np.ndarray, chosen: np.ndarray, width: int) -> Logprobs:
+        """Log-softmax of one-hot logits (1 at `predicted`, 0 elsewhere): what the device computes of them."""
+        log_z = np.log(np.e + width - 1)
+        top_ids = np.empty((len(predicted), MAX_LOGPROBS), np.int32)
+        for i, p in enumerate(predicted):
+            others = [t for t in range(MAX_LOGPROBS) if t != p][:MAX_LOGPROBS - 1]
+            top_ids[i] = [p, *others]
+        top = np.where(top_ids == predicted[:, None], 1.0 - log_z, -log_z).astype(np.float32)
+        chosen_lp = np.where(chosen == predicted, 1.0 - log_z, -log_z).astype(np.float32)
+        return Logprobs(chosen_lp, top_ids, top)
 
     def step_seconds(self, step: StepInput) -> float:
         """The latency model's time for one stage of this micro-batch (0 without a model)."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from jaxcpp.config import EngineConfig
 from jaxcpp.engine import LLMEngine
 from jaxcpp.executor import Executor
 from jaxcpp.logs import show_startup_progress
+from jaxcpp.output_processor import RequestState, SampleStream, needs_abort
 from jaxcpp.outputs import RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 
@@ -53,18 +55,26 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts. With n > 1 a
+        prompt's output is its first sample's, and `.samples` holds all n."""
         inputs = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(inputs))
-        ids = [f"offline-{next(self._ids)}" for _ in inputs]
-        for request_id, prompt, p in zip(ids, inputs, params, strict=True):
-            self.engine.add_request(request_id, prompt, p)
+        requests = [RequestState(f"offline-{next(self._ids)}", p, self.engine.tokenizer, streaming=False)
+                    for p in params]
+        by_engine_id = {rid: r for r in requests for rid, _ in r.engine_requests}
+        for request, prompt in zip(requests, inputs, strict=True):
+            for rid, p in request.engine_requests:
+                self.engine.add_request(rid, prompt, p, group=request.group)
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
+        while len(finished) < len(by_engine_id) or self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        return [finished[i] for i in ids]
+                request = by_engine_id[out.request_id]
+                delta = request.process(out)
+                if needs_abort(out, delta):  # a stop string: the engine's abort output is ignored
+                    self.engine.abort_request(out.request_id, "stop")
+                if delta is not None and delta.finished:
+                    finished[out.request_id] = _final(out, request.samples[out.request_id])
+        return [_grouped([finished[rid] for rid, _ in r.engine_requests]) for r in requests]
 
     @staticmethod
     def _inputs(prompts: str | Sequence[str] | None,
@@ -85,3 +95,15 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
         return list(sampling_params)
+
+
+def _final(out: RequestOutput, sample: SampleStream) -> RequestOutput:
+    """The engine's last output of a sample, with the edge's text, tokens and finish (a stop string
+    ends a sample before the engine does)."""
+    return dataclasses.replace(out, token_ids=list(sample.token_ids), finished=True, text=sample.text,
+                               finish_reason=sample.finish_reason,
+                               logprobs=list(sample.logprobs) if out.logprobs is not None else None)
+
+
+def _grouped(samples: list[RequestOutput]) -> RequestOutput:
+    return samples[0] if len(samples) == 1 else dataclasses.replace(samples[0], samples=samples)

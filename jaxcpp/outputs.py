@@ -30,6 +30,15 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability under the model's raw logits, and the most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the k asked for: (token id, logprob), most likely first
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -39,10 +48,13 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort", "error"; None while running
     metrics: RequestMetrics
-    text: str = ""                        # detokenized token_ids, once finished (stream with IncrementalDetokenizer)
+    text: str = ""                        # the text (LLM.generate; the engine leaves it to the edge)
     logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
     error: str | None = None              # what failed, when finish_reason is "error"
     num_cached_tokens: int = 0            # prompt tokens whose K/V came from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token but the first, once all are scored
+    samples: list[RequestOutput] | None = None  # LLM.generate with n > 1: all n samples (this is the first)
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jaxcpp.config import SchedulerConfig
-from jaxcpp.executor import StepResult
+from jaxcpp.executor import Logprobs, StepResult
+from jaxcpp.outputs import TokenLogprobs
 from jaxcpp.page_allocator import PageAllocator
+from jaxcpp.prefix_cache import PageHash
 from jaxcpp.sequence import Sequence, SequenceStatus
 from jaxcpp.step_input import ScheduledChunk, SchedulerOutput
 
@@ -138,6 +140,7 @@ class Scheduler:
         self.num_steps = 0
         self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
         self.prefix_hit_tokens = 0            # of those, tokens the cache gave
+        self.free_history_slots = list(range(config.max_num_seqs))[::-1]  # device penalty-history rows
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -151,6 +154,9 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self._free_pages(seq)
+        if seq.history_slot >= 0:
+            self.free_history_slots.append(seq.history_slot)
+            seq.history_slot = -1
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = now
@@ -176,6 +182,8 @@ class Scheduler:
     def postprocess(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[Sequence]:
         """Apply a collected step; returns the sequences that got a token (finished ones included)."""
         self._record_timing(sched, result)
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(sched, result.prompt_logprobs)
         sampled = []
         for i, chunk in enumerate(sched.chunks):
             seq = chunk.seq
@@ -187,11 +195,26 @@ class Scheduler:
             seq.metrics.record_token(now)
             if result.logits is not None:
                 seq.logits.append(result.logits[i])
+            if result.logprobs is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(_token_logprobs(result.logprobs, i, token, seq.params.logprobs))
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
             sampled.append(seq)
         return sampled
+
+    @staticmethod
+    def _record_prompt_logprobs(sched: SchedulerOutput, scored: Logprobs) -> None:
+        """Each chunk's prompt tokens' log-probabilities, in order, once (a recompute scores them again)."""
+        row = 0
+        for chunk in sched.chunks:
+            seq, k = chunk.seq, chunk.seq.params.prompt_logprobs
+            if k is not None:
+                prompt = seq.prompt_token_ids
+                for p in range(max(chunk.start, len(seq.prompt_logprobs)),
+                               min(chunk.start + chunk.num_tokens, len(prompt) - 1)):
+                    seq.prompt_logprobs.append(_token_logprobs(scored, row + p - chunk.start, prompt[p + 1], k))
+            row += chunk.num_tokens
 
     def _record_timing(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Feed the calibration: a batch that is one prefill chunk alone, timed on the device, paired with
@@ -242,6 +265,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
                            admit: bool = False) -> int:
+        in_progress: dict[tuple[str, PageHash], Sequence] | None = None  # built when a sample of a group waits
         for seq in candidates:
             if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
                 break
@@ -250,7 +274,14 @@ class Scheduler:
             if admit:
                 if seq.awaiting_token:
                     break  # preempted with a token in flight: its recompute needs that token
+                shared = self._shared_prefix(seq)
+                if shared is not None:
+                    in_progress = self._prefixes_in_progress() if in_progress is None else in_progress
+                    if shared in in_progress:
+                        continue  # a sibling is computing its prefix: wait and read it from the cache
                 chunk = self._admit(seq, budget_left, out.num_tokens)
+                if chunk and shared is not None and in_progress is not None:
+                    in_progress[shared] = seq
                 if chunk == 0:
                     break  # new prompts wait for pages rather than evict running work
             else:
@@ -263,9 +294,31 @@ class Scheduler:
             budget_left -= chunk
         return budget_left
 
+    def _shared_prefix(self, seq: Sequence) -> tuple[str, PageHash] | None:
+        """(its group, its prompt's first page) for a request of a group of samples the cache could serve."""
+        if (seq.group is None or not self.prefix_caching or len(seq.prompt_token_ids) <= self.page_size
+                or seq.params.reads_history_on_device):
+            return None
+        return seq.group, seq.page_hashes(1, self.page_size)[0]
+
+    def _prefixes_in_progress(self) -> dict[tuple[str, PageHash], Sequence]:
+        """The running samples of a group whose prompt pages are not all published yet. The group's
+        other samples wait for them rather than compute the same prefix in the same step: the n samples
+        of one prompt share one prefill. (Unrelated requests with a common prefix admitted together
+        still compute it twice.)"""
+        found = {}
+        for seq in self.running:
+            shared = self._shared_prefix(seq)
+            if shared is not None and seq.num_published_pages < (len(seq.prompt_token_ids) - 1) // self.page_size:
+                found[shared] = seq
+        return found
+
     def _admit(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
         """Start a waiting sequence from its cached prefix with the pages of its first chunk; returns the
-        chunk, or 0 with nothing changed when no chunk fits the budget or its pages do not fit."""
+        chunk, or 0 with nothing changed when no chunk fits the budget or its pages (or, for a request
+        with penalties, a row of the device's history) are not there."""
+        if seq.params.has_penalties and seq.history_slot < 0 and not self.free_history_slots:
+            return 0
         hits = self._cached_prefix(seq)
         seq.num_computed_tokens = len(hits) * self.page_size  # the chunk sizer plans from here
         chunk = self._chunk_size(seq, budget_left, step_tokens)
@@ -275,6 +328,8 @@ class Scheduler:
             return 0
         self.allocator.acquire(hits)
         seq.pages = hits + self.allocator.allocate(need)
+        if seq.params.has_penalties and seq.history_slot < 0:
+            seq.history_slot = self.free_history_slots.pop()
         seq.num_published_pages = len(hits)
         seq.admission_prefix = seq.num_computed_tokens
         if seq.num_preemptions == 0:  # the hit rate counts requests, not their recomputes
@@ -287,8 +342,10 @@ class Scheduler:
         return chunk
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached pages of the sequence's longest whole-page prefix, leaving its last token to compute."""
-        if not self.prefix_caching:
+        """Cached pages of the sequence's longest whole-page prefix, leaving its last token to compute.
+        None for a request whose every prompt token must pass the device (penalties, prompt logprobs):
+        as in vLLM, it computes its prompt (and still publishes its pages for others)."""
+        if not self.prefix_caching or seq.params.reads_history_on_device:
             return []
         return self.allocator.lookup(seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size))
 
@@ -323,7 +380,19 @@ class Scheduler:
         samples = feedback_row >= 0 or seq.num_computed_tokens == seq.num_tokens
         if samples:
             seq.expect_token(out.step_id, len(out.chunks))
-        out.chunks.append(ScheduledChunk(seq, start, num_tokens, samples, feedback_row))
+        out.chunks.append(ScheduledChunk(seq, start, num_tokens, samples, feedback_row,
+                                         self._history_start(seq, start)))
+
+    @staticmethod
+    def _history_start(seq: Sequence, start: int) -> int:
+        """Where the chunk's prompt tokens start joining the device history (-1: none do). A recompute
+        after a preemption adds nothing: the history row was kept, and it already counts the outputs."""
+        end = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        if seq.history_slot < 0 or end <= seq.num_history_tokens:
+            return -1
+        first, seq.num_history_tokens = seq.num_history_tokens, end
+        assert first >= start, "a request with a device history starts from position 0 (no cached prefix)"
+        return first
 
     def _running_prefills(self) -> list[Sequence]:
         return [s for s in self.running if s.is_prefilling and not s.awaiting_token]
@@ -363,3 +432,8 @@ class Scheduler:
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_published_pages = 0
+
+
+def _token_logprobs(scored: Logprobs, row: int, token: int, k: int) -> TokenLogprobs:
+    top = tuple(zip(scored.top_ids[row, :k].tolist(), scored.top_logprobs[row, :k].tolist(), strict=True))
+    return TokenLogprobs(token, float(scored.logprobs[row]), top)

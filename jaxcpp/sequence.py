@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxcpp.outputs import RequestMetrics
+from jaxcpp.outputs import RequestMetrics, TokenLogprobs
 from jaxcpp.prefix_cache import PageHash, PageHashes
 from jaxcpp.sampling_params import SamplingParams
 
@@ -51,6 +51,12 @@ class Sequence:
     num_cached_tokens: int = 0                  # prompt tokens the prefix cache gave at first admission
     admission_prefix: int = 0                   # tokens the prefix cache gave at the latest admission
     num_published_pages: int = 0                # pages[:n] are in the prefix cache (found or published)
+    history_slot: int = -1                      # its row of the device's penalty history, -1 = none
+    num_history_tokens: int = 0                 # prompt tokens already in that row
+    banned_ids: tuple[int, ...] = ()            # stop ids the device may not sample before min_tokens
+    group: str | None = None                    # the request the n samples of one prompt came from
+    logprobs: list[TokenLogprobs] = field(default_factory=list)         # per output token, when asked
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per prompt token from the second
     _page_hashes: PageHashes | None = field(default=None, repr=False)
 
     @property

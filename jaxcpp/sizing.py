@@ -9,8 +9,10 @@ engine and every stage agree on page counts and buckets by construction. No jax 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -63,7 +65,8 @@ class EngineSizing:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.spec.config.eos_token_ids)
+        """config.json's, and generation_config.json's (a chat model's end-of-turn ids are often only there)."""
+        return tuple(dict.fromkeys((*self.spec.config.eos_token_ids, *generation_eos_token_ids(self.spec.folder))))
 
     @staticmethod
     def plan(config: EngineConfig, spec: ModelSpec) -> EngineSizing:
@@ -99,3 +102,13 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: i
         raise ConfigError(f"--num-pages: {num_pages} pages cannot hold one sequence of --max-model-len "
                           f"({pages_per_seq} pages of {page_size} tokens, plus the reserved page)")
     return num_pages
+
+
+def generation_eos_token_ids(folder: Path) -> tuple[int, ...]:
+    """`eos_token_id` of the folder's generation_config.json (an id or a list), or () without one."""
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxcpp.buckets import pad_to_bucket, seq_bucket
 from jaxcpp.page_allocator import RESERVED_PAGE
+from jaxcpp.sampling_params import MAX_BANNED_IDS
 from jaxcpp.sequence import Sequence
 
 
@@ -35,6 +36,8 @@ class ScheduledChunk:
     samples: bool        # the chunk reaches the sequence's last token, so the step samples one
     feedback_row: int = -1  # >= 0: a decode whose input token is still on the device, sampled in
                             # this row of the step it feeds back from (`SchedulerOutput.feedback_from`)
+    history_start: int = -1  # >= 0: the chunk's prompt tokens from this position on join the request's
+                             # device history (penalties); 0 also empties its slot first
 
 
 @dataclass
@@ -63,6 +66,16 @@ class SchedulerOutput:
         """Some chunk reaches its sequence's end, so the step's tokens are needed."""
         return any(c.samples for c in self.chunks)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(c.samples and c.seq.params.logprobs is not None for c in self.chunks)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Some chunk scores prompt tokens (all but the last prompt token have a next one to score)."""
+        return any(c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids) - 1
+                   for c in self.chunks)
+
 
 # ---- the step's padded arrays ------------------------------------------------------------------------
 
@@ -85,10 +98,26 @@ class StepInput:
     steps: np.ndarray           # [S] int32: tokens the request has generated so far
     feedback_rows: np.ndarray   # [T] int32: -1, or the row of the fed-back step's tokens to read this
                                 # token from (a decode whose input the host does not have yet)
+    min_p: np.ndarray           # [S] float32
+    presence_penalty: np.ndarray    # [S] float32
+    frequency_penalty: np.ndarray   # [S] float32
+    repetition_penalty: np.ndarray  # [S] float32
+    history_slot: np.ndarray    # [S] int32: the sampling row's device history slot (penalties), -1 = none
+    clear_slot: np.ndarray      # [S] int32: a slot to empty first (a request's first chunk), -1 = none
+    banned_ids: np.ndarray      # [S, MAX_BANNED_IDS] int32: stop ids min_tokens bans for now, -1 = none
+    wants_logprobs: np.ndarray  # [S] int32: 1 where the sampled token's logprobs are asked for
+    prompt_slot: np.ndarray     # [T] int32: the history slot this prompt token joins, -1 = none
+    prompt_targets: np.ndarray  # [T] int32: the next prompt token, whose log-probability is asked, or -1
 
     @property
     def num_tokens_padded(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def needs_full_sampler(self) -> bool:
+        """Some row samples with a penalty history or banned ids, or some prompt token joins a history:
+        the last stage then runs the sampler program that has them (`jaxcpp.runtime.sampler.sample_step`)."""
+        return bool((self.history_slot >= 0).any() or (self.prompt_slot >= 0).any() or (self.banned_ids >= 0).any())
 
 
 @dataclass(frozen=True)
@@ -140,7 +169,35 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
     step.token_ids[:total] = token_ids
     step.positions[:total] = pos
     step.slot_mapping[:total] = step.page_indices[row, pos // ps] * ps + pos % ps
+    if any(not p.is_plain for p in params):
+        _write_extras(step, sched, offsets)
     return step
+
+
+def _write_extras(step: StepInput, sched: SchedulerOutput, offsets: np.ndarray) -> None:
+    """Penalties, min_p, min_tokens' bans, history slots, logprobs and prompt-logprob targets: only
+    steps that carry a request asking for one of them pay for writing them."""
+    chunks, n = sched.chunks, len(sched.chunks)
+    params = [c.seq.params for c in chunks]
+    step.min_p[:n] = [p.min_p for p in params]
+    step.presence_penalty[:n] = [p.presence_penalty for p in params]
+    step.frequency_penalty[:n] = [p.frequency_penalty for p in params]
+    step.repetition_penalty[:n] = [p.repetition_penalty for p in params]
+    for i, c in enumerate(chunks):
+        seq, row = c.seq, int(offsets[i]) - c.start  # position p of the chunk is token row + p
+        prompt_len = len(seq.prompt_token_ids)
+        if c.samples:
+            step.history_slot[i] = seq.history_slot
+            step.wants_logprobs[i] = seq.params.logprobs is not None
+            if int(step.steps[i]) < seq.params.min_tokens:
+                step.banned_ids[i, :len(seq.banned_ids)] = seq.banned_ids
+        if c.history_start >= 0:
+            if c.history_start == 0:
+                step.clear_slot[i] = seq.history_slot
+            step.prompt_slot[row + c.history_start:row + min(c.start + c.num_tokens, prompt_len)] = seq.history_slot
+        if seq.params.prompt_logprobs is not None and c.start < prompt_len - 1:
+            last = min(c.start + c.num_tokens, prompt_len - 1)  # positions with a next prompt token
+            step.prompt_targets[row + c.start:row + last] = seq.prompt_token_ids[c.start + 1:last + 1]
 
 
 def _padding(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
@@ -154,7 +211,12 @@ def _padding(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
         logits_indices=np.zeros(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
         top_k=np.zeros(num_seqs, np.int32), top_p=np.ones(num_seqs, np.float32),
         seeds=np.zeros(num_seqs, np.uint32), steps=np.zeros(num_seqs, np.int32),
-        feedback_rows=np.full(num_tokens, -1, np.int32))
+        feedback_rows=np.full(num_tokens, -1, np.int32), min_p=np.zeros(num_seqs, np.float32),
+        presence_penalty=np.zeros(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
+        repetition_penalty=np.ones(num_seqs, np.float32), history_slot=np.full(num_seqs, -1, np.int32),
+        clear_slot=np.full(num_seqs, -1, np.int32), banned_ids=np.full((num_seqs, MAX_BANNED_IDS), -1, np.int32),
+        wants_logprobs=np.zeros(num_seqs, np.int32),
+        prompt_slot=np.full(num_tokens, -1, np.int32), prompt_targets=np.full(num_tokens, -1, np.int32))
 
 
 # ---- packing: the host half ------------------------------------------------------------------------

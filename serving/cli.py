@@ -129,15 +129,14 @@ def _serve(args: argparse.Namespace) -> int:
         return LLMEngine(engine_config)
 
     def listening(server: Server) -> None:
-        print(f"jaxcpp: listening on {server_config.host}:{server.port} (health NOT_SERVING); loading "
+        print(f"jaxcpp: listening on {_addresses(server)} (health NOT_SERVING); loading "
               f"{engine_config.model.model} and compiling every bucket ...", file=sys.stderr, flush=True)
 
     def ready(server: Server) -> None:
         metrics = f", metrics on http://{server_config.host}:{server.metrics_port}/metrics" \
             if server.metrics_port is not None else ""
         tls = " (TLS)" if server_config.tls_cert else ""
-        where = f"{server_config.host}:{server.port}"
-        print(f"jaxcpp: serving {engine_config.model.model} on {where}{tls}{metrics}", flush=True)
+        print(f"jaxcpp: serving {engine_config.model.model} on {_addresses(server)}{tls}{metrics}", flush=True)
 
     code = asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
     if code != 0:  # the engine failed while serving; the server and the stages are stopped
@@ -154,6 +153,16 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _addresses(server: Any) -> str:
+    """`host:port` (gRPC) and `http://host:port/v1` (the OpenAI API), whichever are on."""
+    host = server.config.host
+    where = [f"{host}:{server.port} (gRPC)"] if server.config.enable_grpc else []
+    if server.http_port is not None:
+        scheme = "https" if server.config.tls_cert else "http"
+        where.append(f"{scheme}://{host}:{server.http_port}/v1 (OpenAI API)")
+    return " and ".join(where)
 
 
 def _serve_stage(parallel: Any) -> int:

@@ -9,6 +9,7 @@ loop sleeps on the command queue.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from jaxcpp.output_processor import RequestState
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.metrics import ServingMetrics
@@ -36,8 +38,9 @@ class Engine(Protocol):
 
     tokenizer: Any
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
-    def abort_request(self, request_id: str) -> None: ...
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, group: str | None = None) -> None: ...
+    def abort_request(self, request_id: str, reason: str = "abort") -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
@@ -57,6 +60,47 @@ class _Command:
             self.future.set_result(self.fn())
         except BaseException as exc:  # noqa: B036 - handed to the caller through the future
             self.future.set_exception(exc)
+
+
+class OutputStream:
+    """One client call's engine outputs, queued on its asyncio loop until the handler sends them.
+
+    `sink()` is what the engine thread calls (it posts to the loop). Past `limit` queued outputs the
+    client is not reading: the stream stalls and `on_stalled` aborts its requests."""
+
+    def __init__(self, request_id: str, limit: int, on_stalled: Callable[[OutputStream], None],
+                 context: Any = None) -> None:
+        self.request_id = request_id
+        self.engine_request_ids = [request_id]  # one per sample
+        self.context = context                  # the front end's handle on the call
+        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.stalled = False
+        self.max_backlog = 0
+        self.end_task: asyncio.Future[None] | None = None
+        self.handler_task = asyncio.current_task()  # created inside the handler
+        self._loop = asyncio.get_running_loop()
+        self._limit = limit
+        self._on_stalled = on_stalled
+
+    def sink(self) -> Sink:
+        def post(out: RequestOutput | BaseException) -> None:  # engine thread
+            self._loop.call_soon_threadsafe(self.deliver, out)
+
+        return post
+
+    def deliver(self, out: RequestOutput | BaseException) -> None:  # asyncio loop
+        if self.stalled:
+            return
+        self.outputs.put_nowait(out)
+        self.max_backlog = max(self.max_backlog, self.outputs.qsize())
+        if self.outputs.qsize() > self._limit:
+            self.stalled = True
+            self._on_stalled(self)
+
+    def abort(self, engine: EngineLoop) -> None:
+        """Abort every sample's engine request (finished ones: no-op): the pages are freed before the next step."""
+        for request_id in self.engine_request_ids:
+            engine.abort(request_id)
 
 
 class EngineFailedError(RuntimeError):
@@ -101,22 +145,36 @@ class EngineLoop:
             self._commands.put(_Command(fn, future))
         return future
 
-    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-            sink: Sink) -> Future[None]:
-        """Admit a request; its outputs go to `sink`. The future raises InvalidRequestError if refused."""
+    def add_samples(self, state: RequestState, prompt: str | list[int], sink: Sink) -> Future[None]:
+        """Admit a client request's engine requests (its n samples) together, or none of them."""
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params)
-            self._sinks[request_id] = sink  # only once admitted: a refused request leaves nothing
+            added: list[str] = []
+            try:
+                for request_id, params in state.engine_requests:
+                    if state.group is None:
+                        self.engine.add_request(request_id, prompt, params)
+                    else:
+                        self.engine.add_request(request_id, prompt, params, group=state.group)
+                    added.append(request_id)
+            except BaseException:
+                for request_id in added:
+                    self.engine.abort_request(request_id)
+                raise
+            self._sinks.update(dict.fromkeys(added, sink))
 
         return self.submit(add)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if finished or unknown); its sink gets nothing more."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request (no-op if finished or unknown); its sink gets nothing more. `reason` is what
+        the metrics count it as ("stop" for a stop string the edge matched)."""
 
         def abort() -> None:
             if self._sinks.pop(request_id, None) is not None:
-                self.engine.abort_request(request_id)
+                if reason == "abort":
+                    self.engine.abort_request(request_id)
+                else:
+                    self.engine.abort_request(request_id, reason)
                 self._publish_stats(force=True)
 
         self.submit(abort)

@@ -50,13 +50,15 @@ import jaxcpp
 from jaxcpp.config import ServerConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.executor import ExecutorError
-from jaxcpp.outputs import ModelInfo, RequestOutput
+from jaxcpp.output_processor import RequestState, SampleDelta, needs_abort
+from jaxcpp.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
-from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop
+from jaxcpp.serving.chat_template import ChatTemplate, load_chat_template
+from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop, OutputStream
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 from jaxcpp.serving.metrics import ServingMetrics, split_dynamic_chunking
-from jaxcpp.tokenizer import IncrementalDetokenizer
+from jaxcpp.serving.openai_server import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +70,16 @@ MAX_REQUEST_ID_CHARS = 256  # echoed in every response message, so it is kept sh
 _ABORT_FLUSH_S = 5.0        # after the grace period: time for the ABORT messages to reach clients
 
 
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "min_p", "min_tokens",
+                             "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+                             "prompt_logprobs")
+
+
 def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; raises InvalidRequestError naming the field."""
-    kwargs: dict[str, Any] = {name: getattr(msg, name)
-                              for name in ("max_tokens", "temperature", "top_k", "top_p", "seed")
-                              if msg.HasField(name)}
-    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **kwargs)
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, stop=tuple(msg.stop),
+                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
 
 
 def prompt_from_proto(request: pb.GenerateRequest, max_prompt_bytes: int) -> str | list[int]:
@@ -109,22 +115,6 @@ def _undecodable_message(request: _Undecodable) -> str:
     return f"request: not a valid protobuf message of the method's request type ({request.error})"
 
 
-class _TextDeltas:
-    """Text of each output's new tokens; empty when the model has no tokenizer (token ids only)."""
-
-    def __init__(self, tokenizer: Any | None) -> None:
-        self._tokenizer = tokenizer
-        self._detok: IncrementalDetokenizer | None = None
-
-    def __call__(self, out: RequestOutput) -> str:
-        if self._tokenizer is None:
-            return ""
-        if self._detok is None:  # the prompt's last ids give the first tokens their context
-            self._detok = IncrementalDetokenizer(self._tokenizer, out.prompt_token_ids)
-        text = self._detok.step(out.new_token_ids)
-        return text + self._detok.flush() if out.finished else text
-
-
 class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
     """Registered before the engine exists; `attach` hands it the engine (`_WarmUpGate` holds calls until then)."""
 
@@ -133,10 +123,11 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
         self._model_info: ModelInfo
         self._config = config
         self._metrics = metrics
-        self._in_flight: dict[str, _Stream] = {}  # touched on the asyncio loop only
+        self._in_flight: dict[str, OutputStream] = {}  # touched on the asyncio loop only
         self._started = time.monotonic()
         self._closing = False
         self.max_stream_backlog = 0  # high-water mark of any stream's queued outputs (tests, soak)
+        self.others_in_flight: Callable[[], int] = lambda: 0  # the HTTP API's calls: one queue limit for both
 
     def attach(self, engine_loop: EngineLoop, model_info: ModelInfo) -> None:
         self._engine = engine_loop
@@ -156,53 +147,48 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             request_id = request_id_from_proto(request)
         except InvalidRequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if len(self._in_flight) >= self._config.max_queue_size:
+        if (held := len(self._in_flight) + self.others_in_flight()) >= self._config.max_queue_size:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"request queue is full: {len(self._in_flight)} requests in flight "
+                               f"request queue is full: {held} requests in flight "
                                f"(--max-queue-size {self._config.max_queue_size}); retry later")
         if request_id in self._in_flight:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {request_id!r} is already in flight")
-        stream = _Stream(request_id, context, self._config.max_stream_buffer, self._on_stalled)
+        stream = OutputStream(request_id, self._config.max_stream_buffer, self._on_stalled, context)
         self._enter(stream)
-        loop = asyncio.get_running_loop()
-
-        def sink(out: RequestOutput | BaseException) -> None:  # engine thread
-            loop.call_soon_threadsafe(stream.deliver, out)
-
-        finished = False
+        state = RequestState(request_id, params, self._engine.engine.tokenizer)
+        stream.engine_request_ids = [rid for rid, _ in state.engine_requests]
         try:
-            await asyncio.wrap_future(self._engine.add(request_id, prompt, params, sink))
-            text_of = _TextDeltas(self._engine.engine.tokenizer)
-            while not finished:
+            await asyncio.wrap_future(self._engine.add_samples(state, prompt, stream.sink()))
+            while not state.finished:
                 out = await stream.outputs.get()
                 if isinstance(out, BaseException):
-                    finished = True
                     # a lost pipeline stage is the server's loss, not the request's: retry elsewhere
                     lost = isinstance(out, ExecutorError)
                     await context.abort(grpc.StatusCode.UNAVAILABLE if lost else grpc.StatusCode.INTERNAL,
                                         f"engine failed: {out}" if lost else f"engine failed: {out!r}")
                     return
-                finished = out.finished
                 if out.finish_reason == "error":  # the engine failed this request and carries on
                     await context.abort(grpc.StatusCode.INTERNAL, f"engine failed this request: {out.error}")
-                yield self._response(request_id, out, text_of(out))
-        except InvalidRequestError as exc:  # the engine refused it: nothing to abort
-            finished = True
+                delta = state.process(out)
+                if needs_abort(out, delta):  # a stop string ended it
+                    self._engine.abort(out.request_id, "stop")
+                if delta is not None:
+                    yield self._response(request_id, out, delta)
+        except InvalidRequestError as exc:  # the engine refused it
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineFailedError as exc:
-            finished = True
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
-            if not finished and not stream.stalled:  # cancelled, disconnected, deadline, grace over
-                self._engine.abort(request_id)
+            if not stream.stalled:  # cancelled, disconnected, deadline, grace over: a no-op when finished
+                stream.abort(self._engine)
             self._leave(stream)
 
-    def _on_stalled(self, stream: _Stream) -> None:
+    def _on_stalled(self, stream: OutputStream) -> None:
         """A client stopped reading: free its pages and its queue slot now, end the call from aside."""
         log.warning("request %r: client is not reading (%d responses queued); aborting", stream.request_id,
                     stream.outputs.qsize())
-        self._engine.abort(stream.request_id)
+        stream.abort(self._engine)
         self._leave(stream)
         self._metrics.rejected.labels(grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
         message = (f"client is not reading: {stream.outputs.qsize()} responses queued "
@@ -241,7 +227,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             num_compilations_since_warmup=s.num_compilations_since_warmup,
             num_prompt_tokens_total=s.num_prompt_tokens_total,
             num_generation_tokens_total=s.num_generation_tokens_total,
-            num_preemptions_total=s.num_preemptions_total, num_in_flight=len(self._in_flight),
+            num_preemptions_total=s.num_preemptions_total, num_in_flight=len(self._in_flight) + self.others_in_flight(),
             max_queue_size=self._config.max_queue_size,
             dynamic_chunking=pb.DynamicChunkingStats(values=values, labels=labels),
             uptime_s=time.monotonic() - self._started,
@@ -249,60 +235,40 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             num_prefix_cache_hit_tokens_total=s.num_prefix_cache_hit_tokens_total,
             num_pages_cached=s.num_pages_cached, num_prefix_cache_evictions_total=s.num_prefix_cache_evictions_total)
 
-    def _response(self, request_id: str, out: RequestOutput, text: str) -> pb.GenerateResponse:
-        response = pb.GenerateResponse(request_id=request_id, token_ids=out.new_token_ids, text=text)
-        if out.finished:
+    def _response(self, request_id: str, out: RequestOutput, delta: SampleDelta) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,
+                                       index=delta.index, logprobs=_logprobs_proto(delta.logprobs))
+        if out.prompt_logprobs is not None and len(delta.token_ids) == len(out.token_ids):  # its first message
+            response.prompt_logprobs.extend(_logprobs_proto(out.prompt_logprobs))
+        if delta.finished:
             m = out.metrics
-            response.finish_reason = _FINISH_REASONS.get(out.finish_reason or "",
+            response.finish_reason = _FINISH_REASONS.get(delta.finish_reason or "",
                                                          pb.FINISH_REASON_UNSPECIFIED)
             response.num_prompt_tokens = len(out.prompt_token_ids)
             response.num_generated_tokens = len(out.token_ids)
             response.ttft_s = m.ttft or 0.0
-            response.e2e_s = m.e2e or 0.0
+            response.e2e_s = m.e2e or (time.monotonic() - m.arrival_time)
             response.num_cached_tokens = out.num_cached_tokens
+            response.stop_string = delta.stop_reason if isinstance(delta.stop_reason, str) else ""
         return response
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self._metrics.rejected.labels(code.name).inc()
         await context.abort(code, message)
 
-    def _enter(self, stream: _Stream) -> None:
+    def _enter(self, stream: OutputStream) -> None:
         self._in_flight[stream.request_id] = stream
-        self._metrics.set_in_flight(len(self._in_flight))
+        self._metrics.set_in_flight(len(self._in_flight) + self.others_in_flight())
 
-    def _leave(self, stream: _Stream) -> None:
+    def _leave(self, stream: OutputStream) -> None:
         self.max_stream_backlog = max(self.max_stream_backlog, stream.max_backlog)
-        if self._in_flight.get(stream.request_id) is stream:  # a stalled stream left early
-            del self._in_flight[stream.request_id]
-        self._metrics.set_in_flight(len(self._in_flight))
+        key = stream.request_id
+        if self._in_flight.get(key) is stream:
+            del self._in_flight[key]
+        self._metrics.set_in_flight(len(self._in_flight) + self.others_in_flight())
 
 
-class _Stream:
-    """One Generate call's outputs, queued on the asyncio loop until the handler writes them."""
-
-    def __init__(self, request_id: str, context: grpc.aio.ServicerContext, limit: int,
-                 on_stalled: Callable[[_Stream], None]) -> None:
-        self.request_id = request_id
-        self.context = context
-        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.stalled = False
-        self.max_backlog = 0
-        self.end_task: asyncio.Future[None] | None = None
-        self.handler_task = asyncio.current_task()  # created inside the handler
-        self._limit = limit
-        self._on_stalled = on_stalled
-
-    def deliver(self, out: RequestOutput | BaseException) -> None:  # asyncio loop
-        if self.stalled:
-            return
-        self.outputs.put_nowait(out)
-        self.max_backlog = max(self.max_backlog, self.outputs.qsize())
-        if self.outputs.qsize() > self._limit:
-            self.stalled = True
-            self._on_stalled(self)
-
-
-async def _abort_call(stream: _Stream, message: str) -> None:
+async def _abort_call(stream: OutputStream, message: str) -> None:
     """End a call whose handler is blocked in a write. The handler is cancelled first (were the status
     sent first, its pending write would fail and gRPC would log that as an error), then the status goes
     out behind what the transport still buffers."""
@@ -447,6 +413,10 @@ class Server:
         self.metrics = ServingMetrics()
         self.health = health.aio.HealthServicer()
         self.servicer = JaxcppServicer(config, self.metrics)
+        self.http = OpenAIServer(config, self.metrics, lambda: self.servicer.num_in_flight) \
+            if config.enable_http else None
+        if self.http is not None:
+            self.servicer.others_in_flight = lambda: self.http.num_in_flight if self.http is not None else 0
         self.engine_loop: EngineLoop | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -457,10 +427,30 @@ class Server:
         self.engine_failure: BaseException | None = None  # the engine's (or its executor's) fatal error
         self.engine_failed = asyncio.Event()  # set on the server's loop when it happened
 
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Calls held by both front ends."""
+        return self.servicer.num_in_flight + (self.http.num_in_flight if self.http is not None else 0)
+
     async def start(self) -> int:
-        """Start the server (and the engine thread, if given an engine); returns the bound port."""
-        cfg = self.config
+        """Start the front ends (and the engine thread, if given an engine); returns the bound gRPC port."""
         self._loop = asyncio.get_running_loop()
+        if self.config.enable_grpc:
+            await self._start_grpc()
+        if self.http is not None:
+            await self.http.start()
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
+        if self._engine is not None:
+            await self.attach_engine(self._engine)
+        return self.port
+
+    async def _start_grpc(self) -> None:
+        cfg = self.config
         api_key = cfg.resolve_api_key()
         interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(api_key)] if api_key else []
         interceptors += [RejectUndecodableInterceptor(), self._gate]
@@ -482,11 +472,6 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # HealthServicer starts SERVING
         await server.start()
         self._server = server
-        if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
-        if self._engine is not None:
-            await self.attach_engine(self._engine)
-        return self.port
 
     async def build_engine(self, factory: Callable[[], Engine]) -> None:
         """Build the engine with `factory()` off the loop (probes keep answering), then attach it.
@@ -515,8 +500,19 @@ class Server:
         self.engine_loop.start()
         model_info = await asyncio.wrap_future(self.engine_loop.submit(engine.model_info))
         self.servicer.attach(self.engine_loop, model_info)
+        if self.http is not None:
+            self.http.attach(self.engine_loop, model_info, engine.tokenizer, self._chat_template(engine),
+                             self._served_names(model_info))
         self._gate.open()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _chat_template(self, engine: Engine) -> ChatTemplate | None:
+        sizing = getattr(engine, "sizing", None)  # LLMEngine's: the model folder
+        return load_chat_template(sizing.spec.folder, self.config.chat_template) if sizing is not None else None
+
+    def _served_names(self, info: ModelInfo) -> tuple[str, ...]:
+        names = [n.strip() for n in (self.config.served_model_name or "").split(",") if n.strip()]
+        return tuple(names) or (info.name,)
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SERVICE_NAME):
@@ -532,26 +528,32 @@ class Server:
         """
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        if self._server is not None:
+        if self._loop is not None:  # started
             announce = min(self.drain_announce_s, grace)
+            if self.http is not None:
+                self.http.close()  # /health answers 503 at once, new requests too
             await asyncio.sleep(announce)
             self.servicer.close()
             # gRPC refuses new calls from now on and cancels what is left after the grace + a flush
-            stopping = asyncio.ensure_future(self._server.stop(grace - announce + _ABORT_FLUSH_S))
+            stopping = asyncio.ensure_future(self._server.stop(grace - announce + _ABORT_FLUSH_S)) \
+                if self._server is not None else None
             if not await self._drained(grace - announce) and self.engine_loop is not None:
-                left = self.servicer.request_ids_in_flight()
-                log.info("grace period over: aborting %d requests still running", len(left))
+                log.info("grace period over: aborting %d calls still running", self.num_in_flight)
                 self.engine_loop.abort_all_with_final_output()
-            await stopping
+                await self._drained(_ABORT_FLUSH_S)  # HTTP streams send their last (abort) chunks
+            if stopping is not None:
+                await stopping
+            if self.http is not None:
+                await self.http.stop()
         if self.engine_loop is not None:
             await asyncio.to_thread(self.engine_loop.stop, 30.0)
         self.metrics.close()
 
     async def _drained(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self.servicer.num_in_flight and time.monotonic() < deadline:
+        while self.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        return not self.servicer.num_in_flight
+        return not self.num_in_flight
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -590,6 +592,10 @@ class ServerThread:
     @property
     def port(self) -> int:
         return self.server.port
+
+    @property
+    def http_port(self) -> int | None:
+        return self.server.http_port
 
     def start(self) -> ServerThread:
         self._thread.start()
@@ -655,7 +661,12 @@ async def serve(engine_factory: Callable[[], Engine], config: ServerConfig,
         await server.stop(0)
         return 1
     failed.cancel()
-    log.info("shutting down: %d requests in flight, %.1f s grace", server.servicer.num_in_flight,
+    log.info("shutting down: %d requests in flight, %.1f s grace", server.num_in_flight,
              config.shutdown_grace_s)
     await server.stop()
     return 0
+
+
+def _logprobs_proto(entries: list[TokenLogprobs] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in entries or ()]

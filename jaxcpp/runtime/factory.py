@@ -67,7 +67,8 @@ def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> Pipelin
         is_first, is_last = s == 0, s == num_stages - 1
         params = load_stage_params(sizing.spec, layers, is_first, is_last)  # host memory: this stage only
         stages.append(Stage(s, num_stages, stage_mesh(mesh, s), model, params, layers,
-                            sizing.num_pages, sizing.page_size, attention_fn, sizing.shape.max_num_seqs))
+                            sizing.num_pages, sizing.page_size, attention_fn, sizing.shape.max_num_seqs,
+                            sizing.token_buckets[-1]))
     log.info("weights loaded: %s (%s, %d layers, %s) on %d stage(s), layers per stage %s, in %.1fs",
              sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype, num_stages,
              [end - begin for begin, end in sizing.layers], time.perf_counter() - start)

@@ -48,7 +48,7 @@ from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.executor import ExecutorError, HostPhase, StageTiming, StepResult
+from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
 from jaxcpp.runtime import wire
 from jaxcpp.runtime.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
 from jaxcpp.runtime.trace import TraceWriter
@@ -100,6 +100,8 @@ class _Pending:
     want_logits: bool
     ack: bool
     submitted: float
+    want_logprobs: bool = False
+    want_prompt_logprobs: bool = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -400,7 +402,8 @@ class MultiProcessExecutor:
         return time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None) -> int:
+               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
+               want_prompt_logprobs: bool = False) -> int:
         self._raise_if_failed()
         if feedback_from is not None and all(p.ticket != feedback_from for p in self._pending):
             raise ValueError(f"feedback_from={feedback_from} is not in flight")
@@ -411,19 +414,21 @@ class MultiProcessExecutor:
         header = {"op": "step", "id": ticket, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
                   "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
-                  "offer_tokens": offer, "drain_tokens": self._to_drain}
+                  "offer_tokens": offer, "drain_tokens": self._to_drain, "want_logprobs": want_logprobs,
+                  "want_prompt_logprobs": want_prompt_logprobs, "needs_full_sampler": step.needs_full_sampler}
         self._to_drain = []
         if offer:
             self._offered.add(ticket)
         with self._lock:
             self._submit_times[ticket] = time.perf_counter()
         self._broadcast(header, [buf])
-        self._pending.append(_Pending(ticket, want_tokens, want_logits, ack, time.perf_counter()))
+        self._pending.append(_Pending(ticket, want_tokens, want_logits, ack, time.perf_counter(), want_logprobs,
+                                      want_prompt_logprobs))
         return ticket
 
     def collect(self, ticket: int) -> StepResult:
         """Once every stage has timed the step (it left the pipe, holding no activation any more), with
-        the last stage's tokens / logits when the step asked for them."""
+        the last stage's tokens / logits / logprobs when the step asked for them."""
         if not self._pending or self._pending[0].ticket != ticket:
             expected = self._pending[0].ticket if self._pending else None
             raise ValueError(f"tickets are collected in FIFO order: expected {expected}, got {ticket}")
@@ -431,7 +436,7 @@ class MultiProcessExecutor:
         if ticket in self._offered:  # no step submitted from now on can feed back from it
             self._offered.remove(ticket)
             self._to_drain.append(ticket)
-        needs_result = head.want_tokens or head.want_logits
+        needs_result = head.want_tokens or head.want_logits or head.want_logprobs or head.want_prompt_logprobs
         with self._lock:
             while not ((not needs_result or ticket in self._results) and ticket in self._acked):
                 self._raise_if_failed()
@@ -441,7 +446,9 @@ class MultiProcessExecutor:
         it = iter(arrays)
         tokens = next(it) if header.get("tokens") else None
         logits = next(it) if header.get("logits") else None
-        return StepResult(tokens, logits, timings if head.ack else ())
+        logprobs = Logprobs(next(it), next(it), next(it)) if header.get("logprobs") else None
+        prompt = Logprobs(next(it), next(it), next(it)) if header.get("prompt_logprobs") else None
+        return StepResult(tokens, logits, timings if head.ack else (), logprobs, prompt)
 
     def time_attention_free_forward(self, num_tokens: int) -> float:
         """The slowest stage's attention-free forward of `num_tokens`, each stage timing its own, all

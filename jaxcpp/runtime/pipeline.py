@@ -28,9 +28,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcpp.executor import ExecutorError, HostPhase, StageTiming, StepResult
+from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
 from jaxcpp.runtime import compile_guard
-from jaxcpp.runtime.stage import Stage, StageInput, StepOutput
+from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput
 from jaxcpp.runtime.timing import DispatchedStage, TimingRecorder
 from jaxcpp.runtime.trace import TraceWriter
 from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
@@ -48,6 +48,8 @@ class _InFlight:
     want_tokens: bool
     want_logits: bool
     ack: bool
+    want_logprobs: bool = False
+    prompt_logprobs: PromptLogprobs | None = None  # dispatched when the step asked for them
 
 
 class PipelineExecutor:
@@ -82,7 +84,8 @@ class PipelineExecutor:
                 log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets),
                          len(self.stages), num_tokens, seconds)
         for num_tokens in buckets:
-            self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True))
+            self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True,
+                                     want_logprobs=True, want_prompt_logprobs=True))
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
         return time.perf_counter() - start
@@ -95,7 +98,8 @@ class PipelineExecutor:
         return num_tokens, time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None) -> int:
+               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
+               want_prompt_logprobs: bool = False) -> int:
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         records: list[DispatchedStage] = []
         fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
@@ -112,11 +116,13 @@ class PipelineExecutor:
             records.append(DispatchedStage(ticket, stage.index, step.num_tokens_padded, ack, self._traced,
                                            dispatched, inputs, hidden))
         out: StepOutput = hidden  # the last stage's output
-        for wanted, array in ((want_tokens, out.tokens), (want_logits, out.logits)):
-            if wanted:
-                array.copy_to_host_async()  # start home as soon as they exist
+        prompt_logprobs = self.stages[-1].run_prompt_logprobs(out) if want_prompt_logprobs else None
+        wanted = [[out.tokens] if want_tokens else [], [out.logits] if want_logits else [],
+                  out.sampled[1:] if want_logprobs else (), prompt_logprobs or ()]
+        for array in (a for arrays in wanted for a in arrays):
+            array.copy_to_host_async()  # start home as soon as they exist
         self._timing.watch(records)
-        self._pending.append(_InFlight(ticket, out, want_tokens, want_logits, ack))
+        self._pending.append(_InFlight(ticket, out, want_tokens, want_logits, ack, want_logprobs, prompt_logprobs))
         return ticket
 
     def _fed_back(self, feedback_from: int | None) -> Any:
@@ -138,9 +144,11 @@ class PipelineExecutor:
             jax.block_until_ready(head.output.tokens)  # out of the pipe: it holds no activation any more
             tokens = np.asarray(head.output.tokens) if head.want_tokens else None
             logits = np.asarray(head.output.logits) if head.want_logits else None
+            logprobs = Logprobs(*map(np.asarray, head.output.sampled[1:])) if head.want_logprobs else None
+            prompt = Logprobs(*map(np.asarray, head.prompt_logprobs)) if head.prompt_logprobs is not None else None
         except Exception as e:
             raise ExecutorError(f"micro-batch {ticket} failed: {e}", stage=len(self.stages) - 1) from e
-        return StepResult(tokens, logits, timings)
+        return StepResult(tokens, logits, timings, logprobs, prompt)
 
     def time_attention_free_forward(self, num_tokens: int) -> float:
         """Seconds of an attention-free forward of `num_tokens` (a token bucket) on the slowest stage,
@@ -194,4 +202,4 @@ class PipelineExecutor:
         """The step packed once on the host and put on every stage's devices in one `device_put`."""
         buf, layout = pack(step)
         bufs = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
-        return [StageInput(b, layout) for b in bufs]
+        return [StageInput(b, layout, step.needs_full_sampler) for b in bufs]

@@ -7,9 +7,15 @@
     (with P = 1 the one stage is both first and last)
 
 The last stage's bucket program ends at the logits, padded with the sampling parameters to
-max_num_seqs rows, whatever the bucket; one sampler program then draws the tokens. The sampler
+max_num_seqs rows, whatever the bucket; one sampler program then draws the tokens, their logprobs and
+keeps the penalties' per-request history (`jaxcpp.runtime.sampler`; the history is the last stage's
+donated device state, like its KV pages). The sampler
 (sorts for top-k / top-p, a threefry draw per row) is about a third of a bucket program's XLA compile
-time on CPU, so compiling it once instead of into every bucket cuts the cold start. The fixed shape
+time on CPU, so compiling it once instead of into every bucket cuts the cold start. Prompt
+log-probabilities (`echo`) need the logits of every prompt token, not only each sequence's last: the
+bucket program also returns its final hidden states, and a second program per bucket, run only for
+steps that ask, turns them into each token's log-probability and top MAX_LOGPROBS, 64 rows at a time
+(the [T, V] logits are never whole, and never leave the device). The fixed shape
 also serves async scheduling's token feedback: the first stage takes a [max_num_seqs] token array
 (`fed_back`: an earlier step's tokens, or zeros) and reads the input of every token with
 `feedback_rows >= 0` from it, so feeding back adds no programs either.
@@ -37,28 +43,39 @@ from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.packing import unpack
-from jaxcpp.runtime.sampler import sample
+from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_history, logprobs_of, sample_step
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
 from jaxcpp.step_input import Layout, StepShape, pack, padding_step
 
 
+class StageInput(NamedTuple):
+    packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
+    layout: Layout     # how to cut it apart (static: one per bucket)
+    needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
+
+
 class StepOutput(NamedTuple):
-    tokens: jax.Array  # [max_num_seqs] int32: each sequence's token (rows past the batch: garbage)
-    logits: jax.Array  # [max_num_seqs, V] float32: fetched only when the step asked for them
+    sampled: SampledTokens  # [max_num_seqs] rows: each sequence's token (rows past the batch: garbage)
+    logits: jax.Array       # [max_num_seqs, V] float32: fetched only when the step asked for them
+    hidden: jax.Array       # [T, D]: the last layer's output, for prompt logprobs when a step asks
+    batch: StageInput       # the step, for the prompt logprobs' targets
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.sampled.tokens
 
 
-class SamplerInput(NamedTuple):
-    """What the last stage's bucket program hands the sampler program: max_num_seqs rows each."""
-
-    logits: jax.Array       # [W, V] float32
-    temperature: jax.Array  # [W]
-    top_k: jax.Array
-    top_p: jax.Array
-    seeds: jax.Array
-    steps: jax.Array
+class PromptLogprobs(NamedTuple):
+    logprobs: jax.Array      # [T] float32: each token's log-probability of the next prompt token
+    top_ids: jax.Array       # [T, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
 
 
-SAMPLING_FIELDS = SamplerInput._fields[1:]
+ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p", "presence_penalty",
+              "frequency_penalty", "repetition_penalty", "history_slot", "clear_slot", "banned_ids",
+              "wants_logprobs")
+TOKEN_FIELDS = ("token_ids", "prompt_slot")
+PROMPT_LOGPROB_BLOCK = 64  # rows of logits at once: every token bucket is a multiple of it
 
 
 def attention_metadata(batch: dict[str, jax.Array]) -> AttentionMetadata:
@@ -66,22 +83,35 @@ def attention_metadata(batch: dict[str, jax.Array]) -> AttentionMetadata:
 
 
 def last_logits(params: llama.Params, hidden: jax.Array, batch: dict[str, jax.Array], config: LlamaConfig,
-                rows: int) -> SamplerInput:
+                rows: int, tokens: int) -> SamplingInput:
     """Each sequence's last hidden state ([T, D] -> [S, D]) -> logits, and its sampling parameters, padded
-    from S to `rows` rows (padding rows: zeros, so greedy)."""
+    from S to `rows` rows (padding rows: zeros, so greedy, no history), the step's tokens from T to
+    `tokens` (padding: no slot), so that one sampler program serves every bucket."""
     logits = llama.compute_logits(params, hidden[batch["logits_indices"]], config)
-    fields = [logits, *(batch[name] for name in SAMPLING_FIELDS)]
-    return SamplerInput(*(jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) for x in fields))
+    pad_rows = [_pad(x, rows, -1 if name.endswith(("slot", "_ids")) else 0)
+                for name, x in zip(ROW_FIELDS, (batch[name] for name in ROW_FIELDS), strict=True)]
+    pad_tokens = [_pad(batch[name], tokens, -1 if name.endswith("slot") else 0) for name in TOKEN_FIELDS]
+    return SamplingInput(_pad(logits, rows, 0), *pad_rows, *pad_tokens)
 
 
-def sample_tokens(inputs: SamplerInput) -> jax.Array:
-    """Tokens only: passing the logits through a jit output would copy them every step."""
-    return sample(*inputs)
+def _pad(x: jax.Array, size: int, value: int) -> jax.Array:
+    return jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
-class StageInput(NamedTuple):
-    packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
-    layout: Layout     # how to cut it apart (static: one per bucket)
+def prompt_logprobs(params: llama.Params, hidden: jax.Array, packed: jax.Array, *, layout: Layout,
+                    config: LlamaConfig) -> PromptLogprobs:
+    """Every token's log-probability of its `prompt_targets` entry, and its top MAX_LOGPROBS, computed
+    PROMPT_LOGPROB_BLOCK rows at a time (a [T, V] array of logits would not fit for long prompts)."""
+    targets = unpack(packed, layout)["prompt_targets"]
+    blocks = hidden.shape[0] // PROMPT_LOGPROB_BLOCK
+
+    def block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        h, t = args
+        return logprobs_of(llama.compute_logits(params, h, config), t)
+
+    lp, ids, top = jax.lax.map(block, (hidden.reshape(blocks, PROMPT_LOGPROB_BLOCK, -1),
+                                       targets.reshape(blocks, PROMPT_LOGPROB_BLOCK)))
+    return PromptLogprobs(lp.reshape(-1), ids.reshape(-1, ids.shape[-1]), top.reshape(-1, top.shape[-1]))
 
 
 def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata) -> jax.Array:
@@ -92,10 +122,12 @@ def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: Att
 class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
                  layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn,
-                 max_num_seqs: int) -> None:
-        """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`)."""
+                 max_num_seqs: int, max_num_tokens: int) -> None:
+        """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`);
+        `max_num_tokens`: the largest token bucket."""
         self.index = index
         self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.mesh = mesh
         self.config = config
@@ -111,7 +143,12 @@ class Stage:
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
-        self._sampler = jax.jit(sample_tokens, out_shardings=self.replicated)
+        rep = self.replicated  # one sharding for every output array
+        self._sampler = jax.jit(sample_step, donate_argnums=(1,), out_shardings=rep)
+        self.history: History | None = jax.jit(functools.partial(empty_history, max_num_seqs, config.vocab_size),
+                                                out_shardings=rep)() if self.is_last else None
+        self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
+                                        static_argnames=("layout",), out_shardings=rep)
         self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
 
@@ -120,10 +157,9 @@ class Stage:
         return list(self.mesh.devices.flat)
 
     def _jit(self, attention_fn: AttentionFn) -> Any:
-        out: Any = SamplerInput(*[self.replicated] * 6) if self.is_last else self.replicated  # type: ignore[arg-type]
         fn = functools.partial(self._forward, attention_fn=attention_fn)
         return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
-                       out_shardings=(out, self._kv_shardings))
+                       out_shardings=(self.replicated, self._kv_shardings))
 
     def _forward(self, params: llama.Params, kv: llama.KVCache, hidden: jax.Array | None,
                  packed: jax.Array, fed_back: jax.Array | None, *, layout: Layout, attention_fn: AttentionFn
@@ -137,7 +173,8 @@ class Stage:
         hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
                                       attention_fn)
         if self.is_last:
-            return last_logits(params, hidden, batch, self.config, self.max_num_seqs), kv
+            sampling = last_logits(params, hidden, batch, self.config, self.max_num_seqs, self.max_num_tokens)
+            return (sampling, hidden), kv
         return hidden, kv
 
     # ---- per micro-batch (all asynchronous) ----------------------------------------------------
@@ -154,11 +191,15 @@ class Stage:
         lowered = self._program.lower(self.params, self.kv, hidden, self._aval(buf.shape, buf.dtype),
                                       self._feedback(None), layout=layout)
         lowered.compile()
-        if self.is_last:  # the sampler takes what every bucket program gives it: compile it once
-            with self._sampler_lock:
-                if not self._sampler_compiled:
-                    self._sampler.lower(lowered.out_info[0]).compile()
-                    self._sampler_compiled = True
+        if not self.is_last:
+            return
+        sampling, hidden = lowered.out_info[0]
+        self._prompt_logprobs.lower(self.params, hidden, self._aval(buf.shape, buf.dtype), layout=layout).compile()
+        with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
+            if not self._sampler_compiled:
+                for history in (None, self.history):  # the plain and the full sampler program
+                    self._sampler.lower(sampling, history).compile()
+                self._sampler_compiled = True
 
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         """The activations this stage takes (or hands on) for a bucket of `num_tokens`."""
@@ -180,7 +221,11 @@ class Stage:
         `fed_back` (first stage): the tokens placeholder decodes read their input from."""
         out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, self._feedback(fed_back),
                                      layout=batch.layout)
-        return self._output(out)
+        return self._output(out, batch)
+
+    def run_prompt_logprobs(self, out: StepOutput) -> PromptLogprobs:
+        """The last stage's step output -> every token's prompt log-probabilities (dispatched, not awaited)."""
+        return self._prompt_logprobs(self.params, out.hidden, out.batch.packed, layout=out.batch.layout)
 
     def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
@@ -188,11 +233,18 @@ class Stage:
             self._attention_free_program = self._jit(zero_attention)
         out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
                                                     self._feedback(None), layout=batch.layout)
-        return self._output(out)
+        return self._output(out, batch)
 
-    def _output(self, out: Any) -> Any:
+    def _output(self, out: Any, batch: StageInput) -> Any:
         """Activations, or on the last stage the sampled tokens beside the bucket program's logits."""
-        return StepOutput(self._sampler(out), out.logits) if self.is_last else out
+        if not self.is_last:
+            return out
+        sampling, hidden = out
+        if batch.needs_full_sampler:  # penalties or min_tokens in the step: the program that has them
+            sampled, self.history = self._sampler(sampling, self.history)
+        else:
+            sampled, _ = self._sampler(sampling, None)
+        return StepOutput(sampled, sampling.logits, hidden, batch)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
         """Only the first stage reads fed-back tokens; without any it reads zeros (no wait, same program)."""

@@ -233,7 +233,8 @@ class StageWorker:
 
         received = time.perf_counter()
         ticket, num_tokens = header["id"], header["num_tokens"]
-        batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]))
+        batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
+                           header.get("needs_full_sampler", False))
         pull_start = time.perf_counter()
         self._drain_tokens(header.get("drain_tokens", ()))
         fed_back = self._feedback(ticket, header["feedback_from"])
@@ -249,18 +250,19 @@ class StageWorker:
         if not self.stage.is_last:
             self._server.await_pull(ticket, out)
             return
-        tokens, logits = out
         if header.get("offer_tokens"):
-            self._server.await_pull(ticket, tokens)  # before the result: a drain never waits
+            self._server.await_pull(ticket, out.tokens)  # before the result: a drain never waits
         elif self.stage.is_first:  # one stage: first and last
-            self._recent_tokens[ticket] = tokens
-        if not (header["want_tokens"] or header["want_logits"]):
+            self._recent_tokens[ticket] = out.tokens
+        wants = {"tokens": header["want_tokens"], "logits": header["want_logits"],
+                 "logprobs": header.get("want_logprobs", False),
+                 "prompt_logprobs": header.get("want_prompt_logprobs", False)}
+        if not any(wants.values()):
             return  # a step of middle prompt chunks: its timing record is all the head waits for
-        result = [np.asarray(tokens)] if header["want_tokens"] else []
-        if header["want_logits"]:
-            result.append(np.asarray(logits))
-        self._send({"op": "result", "id": ticket, "tokens": header["want_tokens"],
-                    "logits": header["want_logits"]}, result)
+        parts = {"tokens": [out.tokens], "logits": [out.logits], "logprobs": out.sampled[1:],
+                 "prompt_logprobs": self.stage.run_prompt_logprobs(out) if wants["prompt_logprobs"] else ()}
+        result = [np.asarray(a) for name, wanted in wants.items() if wanted for a in parts[name]]
+        self._send({"op": "result", "id": ticket, **wants}, result)
 
     def _feedback(self, ticket: int, source: int | None) -> Any:
         """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
@@ -410,7 +412,7 @@ def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any
     layers = sizing.layers[index]
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
     return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs)
+                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs, sizing.token_buckets[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

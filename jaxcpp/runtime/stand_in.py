@@ -32,7 +32,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.fake_executor import fake_tokens, modelled_seconds, with_fed_back_tokens
+from jaxcpp.fake_executor import FakeExecutor, fake_tokens, modelled_seconds, next_tokens, with_fed_back_tokens
+from jaxcpp.runtime.sampler import SampledTokens
 from jaxcpp.runtime.stage import StageInput, StepOutput
 from jaxcpp.step_input import StepShape, unpack
 
@@ -89,13 +90,13 @@ class StandInStage:
             step = dataclasses.replace(step, token_ids=np.asarray(hidden))  # what the first stage embedded
         if int(step.num_seqs) > 0:  # an all-padding step is warm-up: nothing to model
             self._wait(modelled_seconds(self.latency, step))
-        return self._output(step)
+        return self._output(step, batch)
 
     def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The start-up sweep's forward: c + b·T, every token a padding token."""
         step = unpack(np.asarray(batch.packed), batch.layout)
         self._wait(self.latency.c + self.latency.b * step.num_tokens_padded)
-        return self._output(step)
+        return self._output(step, batch)
 
     def _wait(self, seconds: float) -> None:
         if self.jitter:
@@ -104,11 +105,17 @@ class StandInStage:
         while (left := deadline - time.perf_counter()) > 0:
             time.sleep(left)
 
-    def _output(self, step: Any) -> Any:
+    def _output(self, step: Any, batch: StageInput) -> Any:
         if not self.is_last:
             return jax.device_put(step.token_ids, self.replicated)
         tokens = np.zeros(self.max_num_seqs, np.int32)
-        n = step.kv_lens.shape[0]
-        tokens[:n] = fake_tokens(step) % self.vocab_size
-        return StepOutput(jax.device_put(tokens, self.replicated), OneHotLogits(tokens, self.vocab_size))  # type: ignore[arg-type]
+        tokens[: step.kv_lens.shape[0]] = fake_tokens(step) % self.vocab_size
+        logprobs = FakeExecutor.one_hot_logprobs(tokens, tokens, self.vocab_size)
+        sampled = SampledTokens(*(jax.device_put(a, self.replicated) for a in (tokens, *logprobs)))
+        return StepOutput(sampled, OneHotLogits(tokens, self.vocab_size), step, batch)  # type: ignore[arg-type]
 
+    def run_prompt_logprobs(self, out: StepOutput) -> Any:
+        """Every prompt token's log-probability under the fake's one-hot logits, as the fake executor has it."""
+        step: Any = out.hidden  # the stand-in keeps the resolved step where a stage keeps its activations
+        predicted = next_tokens(step) % self.vocab_size
+        return FakeExecutor.one_hot_logprobs(predicted, step.prompt_targets, self.vocab_size)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jaxcpp/v1/jaxcpp.proto\x12\tjaxcpp.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x01\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedJ\x04\x08\x08\x10\x10\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jaxcpp.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.jaxcpp.v1.SamplingParametersB\x08\n\x06promptJ\x04\x08\x05\x10\x06R\x06stream\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.jaxcpp.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x06 \x01(\r\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x10 \x01(\rJ\x04\x08\t\x10\x10\"\x15\n\x13GetModelInfoRequest\"\xcf\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\x11\n\tpage_size\x18\x0e \x01(\rJ\x04\x08\x08\x10\tR\nblock_size\"\x17\n\x15GetServerStatsRequest\"\xee\x01\n\x14\x44ynamicChunkingStats\x12;\n\x06values\x18\x01 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.ValuesEntry\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.LabelsEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x04\n\x16GetServerStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0enum_pages_used\x18\x03 \x01(\r\x12\x16\n\x0enum_pages_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_pages_total\x18\x05 \x01(\r\x12%\n\x1dnum_compilations_since_warmup\x18\x06 \x01(\r\x12\x1f\n\x17num_prompt_tokens_total\x18\x07 \x01(\x04\x12#\n\x1bnum_generation_tokens_total\x18\x08 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\t \x01(\x04\x12\x15\n\rnum_in_flight\x18\n \x01(\r\x12\x16\n\x0emax_queue_size\x18\x0b \x01(\r\x12\x39\n\x10\x64ynamic_chunking\x18\x0c \x01(\x0b\x32\x1f.jaxcpp.v1.DynamicChunkingStats\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12-\n%num_prefix_cache_queried_tokens_total\x18\x0e \x01(\x04\x12)\n!num_prefix_cache_hit_tokens_total\x18\x0f \x01(\x04\x12\x18\n\x10num_pages_cached\x18\x10 \x01(\r\x12(\n num_prefix_cache_evictions_total\x18\x11 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x01\n\rJaxcppService\x12\x45\n\x08Generate\x12\x1a.jaxcpp.v1.GenerateRequest\x1a\x1b.jaxcpp.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.jaxcpp.v1.GetModelInfoRequest\x1a\x1f.jaxcpp.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jaxcpp.v1.GetServerStatsRequest\x1a!.jaxcpp.v1.GetServerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16jaxcpp/v1/jaxcpp.proto\x12\tjaxcpp.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf6\x04\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsJ\x04\x08\x12\x10 \"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.jaxcpp.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.jaxcpp.v1.SamplingParametersB\x08\n\x06promptJ\x04\x08\x05\x10\x06R\x06stream\"\xf1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.jaxcpp.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x06 \x01(\r\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.jaxcpp.v1.TokenLogprob\x12\r\n\x05index\x18\n \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x17.jaxcpp.v1.TokenLogprob\x12\x13\n\x0bstop_string\x18\x0c \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x10 \x01(\rJ\x04\x08\r\x10\x10\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.jaxcpp.v1.TopLogprob\"\x15\n\x13GetModelInfoRequest\"\xcf\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12\x15\n\reos_token_ids\x18\x0c \x03(\x05\x12\x16\n\x0eserver_version\x18\r \x01(\t\x12\x11\n\tpage_size\x18\x0e \x01(\rJ\x04\x08\x08\x10\tR\nblock_size\"\x17\n\x15GetServerStatsRequest\"\xee\x01\n\x14\x44ynamicChunkingStats\x12;\n\x06values\x18\x01 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.ValuesEntry\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.jaxcpp.v1.DynamicChunkingStats.LabelsEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb1\x04\n\x16GetServerStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0enum_pages_used\x18\x03 \x01(\r\x12\x16\n\x0enum_pages_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_pages_total\x18\x05 \x01(\r\x12%\n\x1dnum_compilations_since_warmup\x18\x06 \x01(\r\x12\x1f\n\x17num_prompt_tokens_total\x18\x07 \x01(\x04\x12#\n\x1bnum_generation_tokens_total\x18\x08 \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\t \x01(\x04\x12\x15\n\rnum_in_flight\x18\n \x01(\r\x12\x16\n\x0emax_queue_size\x18\x0b \x01(\r\x12\x39\n\x10\x64ynamic_chunking\x18\x0c \x01(\x0b\x32\x1f.jaxcpp.v1.DynamicChunkingStats\x12\x10\n\x08uptime_s\x18\r \x01(\x01\x12-\n%num_prefix_cache_queried_tokens_total\x18\x0e \x01(\x04\x12)\n!num_prefix_cache_hit_tokens_total\x18\x0f \x01(\x04\x12\x18\n\x10num_pages_cached\x18\x10 \x01(\r\x12(\n num_prefix_cache_evictions_total\x18\x11 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x01\n\rJaxcppService\x12\x45\n\x08Generate\x12\x1a.jaxcpp.v1.GenerateRequest\x1a\x1b.jaxcpp.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.jaxcpp.v1.GetModelInfoRequest\x1a\x1f.jaxcpp.v1.GetModelInfoResponse\x12U\n\x0eGetServerStats\x12 .jaxcpp.v1.GetServerStatsRequest\x1a!.jaxcpp.v1.GetServerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,30 +35,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._loaded_options = None
   _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1910
-  _globals['_FINISHREASON']._serialized_end=2030
+  _globals['_FINISHREASON']._serialized_start=2565
+  _globals['_FINISHREASON']._serialized_end=2685
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMETERS']._serialized_start=63
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=303
-  _globals['_GENERATEREQUEST']._serialized_start=306
-  _globals['_GENERATEREQUEST']._serialized_end=474
-  _globals['_GENERATERESPONSE']._serialized_start=477
-  _globals['_GENERATERESPONSE']._serialized_end=717
-  _globals['_GETMODELINFOREQUEST']._serialized_start=719
-  _globals['_GETMODELINFOREQUEST']._serialized_end=740
-  _globals['_GETMODELINFORESPONSE']._serialized_start=743
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1078
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1080
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1103
-  _globals['_DYNAMICCHUNKINGSTATS']._serialized_start=1106
-  _globals['_DYNAMICCHUNKINGSTATS']._serialized_end=1344
-  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_start=1252
-  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_end=1297
-  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_start=1299
-  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_end=1344
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=1347
-  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=1908
-  _globals['_JAXCPPSERVICE']._serialized_start=2033
-  _globals['_JAXCPPSERVICE']._serialized_end=2287
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=693
+  _globals['_GENERATEREQUEST']._serialized_start=696
+  _globals['_GENERATEREQUEST']._serialized_end=864
+  _globals['_GENERATERESPONSE']._serialized_start=867
+  _globals['_GENERATERESPONSE']._serialized_end=1236
+  _globals['_TOPLOGPROB']._serialized_start=1238
+  _globals['_TOPLOGPROB']._serialized_end=1285
+  _globals['_TOKENLOGPROB']._serialized_start=1287
+  _globals['_TOKENLOGPROB']._serialized_end=1372
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1374
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1395
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1398
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1733
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1735
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1758
+  _globals['_DYNAMICCHUNKINGSTATS']._serialized_start=1761
+  _globals['_DYNAMICCHUNKINGSTATS']._serialized_end=1999
+  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_start=1907
+  _globals['_DYNAMICCHUNKINGSTATS_VALUESENTRY']._serialized_end=1952
+  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_start=1954
+  _globals['_DYNAMICCHUNKINGSTATS_LABELSENTRY']._serialized_end=1999
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_start=2002
+  _globals['_GETSERVERSTATSRESPONSE']._serialized_end=2563
+  _globals['_JAXCPPSERVICE']._serialized_start=2688
+  _globals['_JAXCPPSERVICE']._serialized_end=2942
 # @@protoc_insertion_point(module_scope)

@@ -234,7 +234,7 @@ def test_lws_environment_fills_the_distributed_flags(monkeypatch):
 
 def _serve_mp(model: str, tmp_path) -> tuple[subprocess.Popen, str, list[int]]:
     """`jaxcpp serve` with two stage processes; its address and the stage pids (its children)."""
-    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", model, "--port", "0",
+    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", model, "--port", "0", "--http-port", "0",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "64",
            "--max-num-seqs", "8", "--log-stats-interval-s", "0", "--pipeline-parallel-size", "2",
            "--distributed-executor-backend", "mp", "--shutdown-grace-s", "5", "--log-level", "warning"]

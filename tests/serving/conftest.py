@@ -42,7 +42,7 @@ def serve() -> Iterator[Callable[..., ServerThread]]:
     servers: list[ServerThread] = []
 
     def start(engine: Any, **config: Any) -> ServerThread:
-        server = ServerThread(engine, ServerConfig(**{"port": 0, **config})).start()
+        server = ServerThread(engine, ServerConfig(**{"port": 0, "http_port": 0, **config})).start()
         servers.append(server)
         return server
 
@@ -68,7 +68,8 @@ def tiny_llm() -> Any:
 @pytest.fixture(scope="session")
 def real_server(tiny_llm: Any) -> Iterator[ServerThread]:
     """One server around the session's tiny engine (tests must leave it idle: every page free)."""
-    server = ServerThread(tiny_llm.engine, ServerConfig(port=0, max_message_bytes=MAX_MESSAGE_BYTES)).start()
+    config = ServerConfig(port=0, http_port=0, max_message_bytes=MAX_MESSAGE_BYTES)
+    server = ServerThread(tiny_llm.engine, config).start()
     yield server
     server.stop(grace=0)
 

@@ -52,3 +52,15 @@ def test_run_against_a_server(serve, tmp_path: Path) -> None:
     assert (s["completed"], s["total_output_tokens"]) == (13, 12 * 6 + 4)
     assert s["long_prompt_ttft_ms"] is not None
     assert all(len(r["itl"]) == r["output_len"] - 1 for r in result["requests"])
+
+
+def test_run_against_the_openai_api(serve, tmp_path: Path) -> None:
+    server = serve(fake_engine(max_model_len=1024))
+    out = tmp_path / "result.json"
+    rc = bench.main(["run", "--backend", "openai", "--target", f"http://127.0.0.1:{server.http_port}/v1",
+                     "--vocab-size", "128", "--num-prompts", "8", "--max-concurrency", "4", "--random-input-len", "8",
+                     "--random-output-len", "6", "--result-file", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert (result["summary"]["completed"], result["summary"]["total_output_tokens"]) == (8, 8 * 6)
+    assert all(len(r["itl"]) == r["output_len"] - 1 and r["ttft"] > 0 for r in result["requests"])

@@ -99,7 +99,7 @@ SERVE_WITH_A_FATAL_FAULT = textwrap.dedent("""
     def ready(server):
         print(server.port, flush=True)
 
-    sys.exit(asyncio.run(serve(lambda: faulty_engine("submit", fail_at=10), ServerConfig(port=0),
+    sys.exit(asyncio.run(serve(lambda: faulty_engine("submit", fail_at=10), ServerConfig(port=0, http_port=0),
                                on_ready=ready)))
 """)
 

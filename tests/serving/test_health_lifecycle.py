@@ -41,7 +41,7 @@ class SlowFactory:
 
 @pytest.fixture
 def warming_server():
-    server = ServerThread(None, ServerConfig(port=0, api_key="k")).start()
+    server = ServerThread(None, ServerConfig(port=0, http_port=0, api_key="k")).start()
     yield server
     server.stop(grace=0)
 
@@ -88,7 +88,7 @@ def test_a_factory_that_fails_leaves_health_not_serving(warming_server) -> None:
 
 def test_health_turns_not_serving_as_the_drain_starts_and_calls_in_flight_finish(monkeypatch) -> None:
     monkeypatch.setattr(Server, "drain_announce_s", 5.0)  # a wide window: the probe below must land in it
-    server = ServerThread(fake_engine(step_delay_s=0.005), ServerConfig(port=0)).start()
+    server = ServerThread(fake_engine(step_delay_s=0.005), ServerConfig(port=0, http_port=0)).start()
     try:
         with Client(f"127.0.0.1:{server.port}", timeout=10) as client:
             stream = client.stream("abc", max_tokens=100, temperature=0)
@@ -113,7 +113,7 @@ def _free_port() -> int:
 
 def _serve_cmd(port: int) -> list[str]:
     return [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", MODEL, "--port", str(port),
-            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+            "--http-port", "0", "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
             "--log-stats-interval-s", "0", "--log-level", "warning"]
 
 

@@ -33,7 +33,7 @@ def test_three_times_the_kv_pages_finishes_with_preemptions_and_exact_outputs() 
     assert needed >= 3 * NUM_PAGES, needed
     preemptions_before = llm.engine.stats().num_preemptions_total
 
-    with ServerThread(llm.engine, ServerConfig(port=0)) as server:
+    with ServerThread(llm.engine, ServerConfig(port=0, http_port=0)) as server:
         async def main() -> list:
             async with AsyncClient(f"127.0.0.1:{server.port}", timeout=300) as client:
                 async def one(prompt: str) -> list[int]:

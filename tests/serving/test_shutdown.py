@@ -19,7 +19,7 @@ from tests.serving.fakes import fake_engine
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path) -> None:
-    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", MODEL, "--port", "0",
+    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", MODEL, "--port", "0", "--http-port", "0",
            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
            "--log-stats-interval-s", "0", "--shutdown-grace-s", "60", "--log-level", "warning"]
     log = tmp_path / "serve.log"  # a file, not a pipe nobody reads

@@ -22,7 +22,7 @@ GRACE_S = 2.0
 
 
 def test_sigterm_under_load(tmp_path) -> None:
-    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", MODEL, "--port", "0",
+    cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", MODEL, "--port", "0", "--http-port", "0",
            "--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
            "--log-stats-interval-s", "0", "--shutdown-grace-s", str(GRACE_S), "--log-level", "warning"]
     log = tmp_path / "serve.log"
