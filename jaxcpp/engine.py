@@ -33,6 +33,7 @@ from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
+from jaxcpp.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.page_allocator import PageAllocator
@@ -48,7 +49,11 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
-                 record_logits: bool = False) -> None:
+                 record_logits: bool = False, freeze_heap: bool | None = None) -> None:
+        """`freeze_heap`: freeze start-up's objects out of the garbage collector's way after warm-up
+        (`jaxcpp.gc_heap`). Default: when the engine builds its executor itself (a server, `LLM(model=)`);
+        not when handed one (tests and tools build many engines per process, and each freeze walks the
+        whole heap once, ~0.25 s)."""
         self.config = config
         self.record_logits = record_logits
         device = _device_side() if executor is None else None
@@ -67,6 +72,9 @@ class LLMEngine:
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
+        self._frozen = device is not None if freeze_heap is None else freeze_heap
+        if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.gc_heap)
+            freeze_startup_heap()
         self.async_scheduling = config.scheduler.async_scheduling
         self._depth = self.executor.max_in_flight + self.async_scheduling
         self._in_flight: deque[tuple[SchedulerOutput, int]] = deque()
@@ -86,8 +94,12 @@ class LLMEngine:
                                                   max_model_len=self.sizing.max_model_len)
 
     def close(self) -> None:
-        """Release the executor (its threads, trace file, devices). Idempotent."""
+        """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
         self.executor.close()
+        self._phases.close()
+        if self._frozen:
+            thaw()
+            self._frozen = False
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -260,13 +272,17 @@ class LLMEngine:
 
 
 class PhaseRecorder:
-    """The engine loop's own time, phase by phase (`HostPhase`), handed to the executor's trace."""
+    """The engine loop's own time, phase by phase (`HostPhase`), handed to the executor's trace, and the
+    garbage collector's pauses as phase "gc" of the step being timed (every thread waits for those)."""
 
     def __init__(self) -> None:
         self._done: list[HostPhase] = []
+        self._step = 0
+        self._gc = GcWatch(lambda start, end: self._done.append(HostPhase("gc", self._step, start, end)))
 
     def timer(self, step: int) -> Callable[[str], AbstractContextManager[None]]:
         """`with timer("build"): ...` records that phase of step `step`."""
+        self._step = step
 
         @contextmanager
         def phase(name: str) -> Iterator[None]:
@@ -281,6 +297,9 @@ class PhaseRecorder:
     def take(self) -> list[HostPhase]:
         done, self._done = self._done, []
         return done
+
+    def close(self) -> None:
+        self._gc.close()
 
 
 def _device_side() -> Any:
