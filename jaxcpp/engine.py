@@ -84,7 +84,7 @@ class LLMEngine:
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page)",
-                 len(self.sizing.token_buckets), self.sizing.token_buckets, self.warmup_seconds,
+                 len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
                  self.allocator.num_usable, self.sizing.page_size)
 
     def _build_chunk_sizer(self) -> ChunkSizer:
