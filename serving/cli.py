@@ -16,6 +16,7 @@ checks everything it can (flags, prompt, tokenizer) before it loads the model an
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -123,18 +124,35 @@ def _serve(args: argparse.Namespace) -> int:
 
         return LLMEngine(engine_config)
 
+    served = False
+
     def listening(server: Server) -> None:
         print(f"jaxcpp: listening on {server_config.host}:{server.port} (health NOT_SERVING); loading "
               f"{engine_config.model.model} and compiling every bucket ...", file=sys.stderr, flush=True)
 
     def ready(server: Server) -> None:
+        nonlocal served
+        served = True
         metrics = f", metrics on http://{server_config.host}:{server.metrics_port}/metrics" \
             if server.metrics_port is not None else ""
         tls = " (TLS)" if server_config.tls_cert else ""
         where = f"{server_config.host}:{server.port}"
         print(f"jaxcpp: serving {engine_config.model.model} on {where}{tls}{metrics}", flush=True)
 
-    return asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
+    code = asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
+    if not served:  # stopped during warm-up
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once. A stop during warm-up leaves the engine's build running in threads (loading weights,
+    an XLA compile that cannot be interrupted) that interpreter exit would wait for, up to a minute
+    on a real model: past an orchestrator's grace period. Nothing is in flight, so nothing is lost."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _serve_stage(parallel: Any) -> int:

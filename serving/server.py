@@ -536,8 +536,10 @@ class Server:
             announce = min(self.drain_announce_s, grace)
             await asyncio.sleep(announce)
             self.servicer.close()
-            # gRPC refuses new calls from now on and cancels what is left after the grace + a flush
-            stopping = asyncio.ensure_future(self._server.stop(grace - announce + _ABORT_FLUSH_S))
+            # gRPC refuses new calls from now on and cancels what is left after the grace + a flush (of
+            # the ABORT messages; before there is an engine no call of ours can be waiting for one)
+            flush = _ABORT_FLUSH_S if self.engine_loop is not None else 0.0
+            stopping = asyncio.ensure_future(self._server.stop(grace - announce + flush))
             if not await self._drained(grace - announce) and self.engine_loop is not None:
                 left = self.servicer.request_ids_in_flight()
                 log.info("grace period over: aborting %d requests still running", len(left))
