@@ -57,3 +57,34 @@ def test_serving_numbers_live_in_benchmarks_only() -> None:
     assert not re.search(r"\d+(\.\d+)? ?ms/token", serving), "serving.md quotes a per-token time"
     assert "benchmarks.md#serving-over-grpc" in serving
     assert "## Serving over gRPC" in (REPO / "docs" / "benchmarks.md").read_text()
+
+
+def code_block_lines(text: str) -> list[str]:
+    """Lines of fenced (```) and indented (4 spaces after a blank line) code blocks."""
+    lines, fenced, indented, previous = [], False, False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced:
+            lines.append(line)
+        else:
+            indented = line.startswith("    ") and (indented or not previous.strip())
+            if indented:
+                lines.append(line)
+        previous = line
+    return lines
+
+
+BARE_COMMAND = re.compile(r"(?:^|&&|\||;)\s*(?:\$\s+)?(?:\w+=\S+\s+)*jaxcpp\s+(?:serve|client|generate|chunk-plan)\b")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_commands_are_spelled_as_the_readme_spells_them(doc: Path) -> None:
+    """`.venv/bin/jaxcpp ...` runs from a checkout as it is; README.md says once how to put it on PATH."""
+    bare = [line.strip() for line in code_block_lines(doc.read_text()) if BARE_COMMAND.search(line)]
+    assert bare == [], f"{doc.name}: commands spelled `jaxcpp ...` instead of `.venv/bin/jaxcpp ...`: {bare}"
+
+
+def test_readme_says_how_to_put_the_command_on_path() -> None:
+    text = (REPO / "README.md").read_text()
+    assert "source .venv/bin/activate" in text and ".venv/bin/jaxcpp" in text
