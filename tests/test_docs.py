@@ -88,3 +88,16 @@ def test_commands_are_spelled_as_the_readme_spells_them(doc: Path) -> None:
 def test_readme_says_how_to_put_the_command_on_path() -> None:
     text = (REPO / "README.md").read_text()
     assert "source .venv/bin/activate" in text and ".venv/bin/jaxcpp" in text
+
+
+def test_deploy_status_names_only_flags_serve_has_and_calls_none_missing() -> None:
+    import argparse
+
+    from jaxcpp.serving.cli import build_parser
+
+    status = (REPO / "docs" / "deploy.md").read_text().split("**Status.**", 1)[1].split("\n\n", 1)[0]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve_flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings}
+    named = set(re.findall(r"`(--[a-z-]+)`", status))
+    assert named and named <= serve_flags, named - serve_flags
+    assert not re.search(r"not have|do(es)? not exist|expected failure", status), status
