@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
-from jaxcpp.config import EngineConfig
+from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
 from jaxcpp.gc_heap import GcWatch, freeze_startup_heap, thaw
@@ -56,9 +56,11 @@ class LLMEngine:
         whole heap once, ~0.25 s)."""
         self.config = config
         self.record_logits = record_logits
+        spec = resolve_model_spec(config.model.model, config.model.dtype)  # a bad folder fails first
         device = _device_side() if executor is None else None
-        dtype = device.resolve_dtype(config.model.dtype) if device is not None else config.model.dtype
-        self.sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, dtype))
+        if device is not None:
+            spec = spec.with_dtype(device.resolve_dtype(config.model.dtype))
+        self.sizing = EngineSizing.plan(config, spec)
         self.tokenizer = self.sizing.spec.tokenizer
         if device is not None:
             executor = device.build_executor(config, self.sizing)
@@ -107,7 +109,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        check_request(token_ids, params, self.sizing, self.config.scheduler)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()))
@@ -117,23 +119,6 @@ class LLMEngine:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model folder has no tokenizer.json: send token ids")
         return self.tokenizer.encode(prompt)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        max_len, vocab = self.sizing.max_model_len, self.sizing.spec.config.vocab_size
-        if not token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) > max_len:
-            raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens, more than --max-model-len {max_len}")
-        if len(token_ids) + params.max_tokens > max_len:
-            raise InvalidRequestError("max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens "
-                                      f"({params.max_tokens}) exceeds --max-model-len {max_len}")
-        budget = self.config.scheduler.max_num_batched_tokens
-        if not self.config.scheduler.enable_chunked_prefill and len(token_ids) > budget:
-            raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
-                                      f"prompt must fit --max-num-batched-tokens {budget}")
 
     def abort_request(self, request_id: str) -> None:
         seq = self.scheduler.requests.get(request_id)
@@ -269,6 +254,27 @@ class LLMEngine:
                          m.num_hidden_layers, m.hidden_size, m.dtype, self.sizing.page_size,
                          c.scheduler.max_num_batched_tokens, c.parallel.pipeline_parallel_size,
                          c.parallel.tensor_parallel_size, self.sizing.eos_token_ids)
+
+
+def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSizing,
+                  scheduler: SchedulerConfig) -> None:
+    """Refuse a request the engine cannot run, naming the field (`InvalidRequestError`). Needs only the
+    sizing, so `jaxcpp generate` checks its prompt before it loads the model and compiles."""
+    max_len, vocab = sizing.max_model_len, sizing.spec.config.vocab_size
+    if not token_ids:
+        raise InvalidRequestError("prompt", "is empty")
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    if len(token_ids) > max_len:
+        raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens, more than --max-model-len {max_len}")
+    if len(token_ids) + params.max_tokens > max_len:
+        raise InvalidRequestError("max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens "
+                                  f"({params.max_tokens}) exceeds --max-model-len {max_len}")
+    budget = scheduler.max_num_batched_tokens
+    if not scheduler.enable_chunked_prefill and len(token_ids) > budget:
+        raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
+                                  f"prompt must fit --max-num-batched-tokens {budget}")
 
 
 class PhaseRecorder:

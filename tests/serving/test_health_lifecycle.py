@@ -4,6 +4,7 @@ NOT_SERVING again as soon as a drain starts, while the calls in flight finish.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -20,7 +21,7 @@ import pytest
 
 from jaxcpp.config import ServerConfig
 from jaxcpp.engine import LLMEngine
-from jaxcpp.serving import Client
+from jaxcpp.serving import AsyncClient, Client
 from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
 from tests.serving.conftest import MODEL, wait_until
 from tests.serving.fakes import FAKE_ENGINE_FLAGS, fake_engine
@@ -66,6 +67,35 @@ def test_not_serving_while_the_engine_builds_then_serving(warming_server) -> Non
         out = client.generate("abc", max_tokens=3, temperature=0)
         assert out.num_generated_tokens == 3
         assert client.model_info().max_model_len == FAKE_ENGINE_FLAGS["max_model_len"]
+
+
+def test_wait_ready_returns_only_once_the_server_is_serving(warming_server) -> None:
+    """A script that calls wait_ready() and then generate() must not meet "warming up"."""
+    factory = SlowFactory()
+    built = warming_server.build_engine(factory)
+    assert factory.started.wait(10)
+    with Client(f"127.0.0.1:{warming_server.port}", api_key="k", timeout=10) as client:
+        client.wait_connected(timeout=5)  # the channel is up: what wait_ready used to wait for
+        with pytest.raises(grpc.RpcError) as err:
+            client.wait_ready(timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "not ready within 0.5s: its health is NOT_SERVING" in err.value.details()
+        assert_async_wait_ready_times_out(warming_server.port)
+        threading.Timer(0.5, factory.release.set).start()
+        client.wait_ready(timeout=10)
+        assert built.result(timeout=10) is None
+        assert client.generate("abc", max_tokens=2, temperature=0).num_generated_tokens == 2
+
+
+def assert_async_wait_ready_times_out(port: int) -> None:
+    async def main() -> None:
+        async with AsyncClient(f"127.0.0.1:{port}", timeout=10) as client:
+            await client.wait_connected(timeout=5)
+            with pytest.raises(grpc.RpcError) as err:
+                await client.wait_ready(timeout=0.5)
+            assert "its health is NOT_SERVING" in err.value.details()
+
+    asyncio.run(main())
 
 
 def test_the_api_key_is_checked_before_the_warm_up_answer(warming_server) -> None:
