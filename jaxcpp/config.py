@@ -70,7 +70,8 @@ class SchedulerConfig:
                                       "largest prompt chunk")
     max_num_seqs: int = opt(64, "most sequences in one step")
     enable_chunked_prefill: bool = opt(True, "split prompts into chunks that share steps with decodes")
-    log_stats_interval_s: float = opt(10.0, "seconds between engine-status log lines (0: never)")
+    log_stats_interval_s: float = opt(10.0, "seconds between engine-status log lines while the engine works; their "
+                                          "rates are over its busy time (0: never)")
     async_scheduling: bool = opt(True, "schedule step k+1 while step k runs; decodes take their input "
                                  "token on the device (--no-async-scheduling: wait for every step)")
 

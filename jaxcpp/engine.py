@@ -133,17 +133,24 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
+        start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
+        submitted = collect = False
         try:
             submitted = self._pipe_has_room() and self._submit_next()
-            if self._in_flight and (not self._pipe_has_room() or not submitted):
+            collect = bool(self._in_flight) and (not self._pipe_has_room() or not submitted)
+            if collect:
                 outputs += self._collect_oldest()
         except ExecutorError as error:
             outputs += self._fail_in_flight(error)
         self.executor.record_host_phases(self._phases.take())
+        self._log_stats(time.perf_counter() - start if submitted or collect else 0.0)  # busy time only
+        return outputs
+
+    def _log_stats(self, busy_s: float) -> None:
+        self._stats.add_busy(busy_s)
         if self._stats.due():
             self._stats.log(self.stats(), self.chunking.report())
-        return outputs
 
     def _pipe_has_room(self) -> bool:
         return len(self._in_flight) < self._depth
