@@ -174,7 +174,12 @@ def _env_coordinator() -> str | None:
 
 
 def _default_smooth_factor() -> float:
-    return float(os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", str(DEFAULT_SMOOTH_FACTOR)))
+    value = os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", str(DEFAULT_SMOOTH_FACTOR))
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"environment variable JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR: expected a number, "
+                          f"got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -286,7 +291,8 @@ def resolve_alias(name: str) -> str:
     new = DEPRECATED_ALIASES.get(name)
     if new is None:
         return name
-    warnings.warn(f"{_flag(name)} is deprecated: use {_flag(new)}", DeprecationWarning, stacklevel=3)
+    # FutureWarning, not DeprecationWarning: Python shows it by default (it hid the other from CLI users)
+    warnings.warn(f"{_flag(name)} is deprecated: use {_flag(new)}", FutureWarning, stacklevel=3)
     return new
 
 

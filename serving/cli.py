@@ -188,7 +188,8 @@ def _client(args: argparse.Namespace) -> int:
 
 def _explain(client: Any, err: Any) -> str:
     """The failure in words that say what to do: a refused key names where the key comes from; a
-    target nothing listens on gets `wait_connected`'s sentence instead of gRPC's transport text."""
+    target that cannot be reached gets `wait_connected`'s sentence first, gRPC's transport text (the
+    cause: refused, DNS, a TLS handshake) after it."""
     from jaxcpp.serving.client import ClientError
 
     if err.status.name == "UNAUTHENTICATED":
@@ -198,7 +199,7 @@ def _explain(client: Any, err: Any) -> str:
         try:
             client.wait_connected(timeout=1.0)
         except ClientError as unreachable:
-            err = unreachable
+            return f"{unreachable.status.name}: {unreachable.message} ({err.message})"
     return f"{err.status.name}: {err.message}"
 
 
