@@ -22,18 +22,22 @@ CHECK_PYTHON = found=$$($(PY) -c 'import sys; print("%d.%d.%d" % sys.version_inf
 	  exit 1; \
 	fi
 SETUP_FAILED = { rm -rf $(VENV); echo "make: setup failed; removed $(VENV) so the next run starts clean" >&2; exit 1; }
+# A recent pip (26.3 here) shows the build backend's warnings despite --quiet, and setuptools warns at every editable
+# install that a folder named like the package in the working directory may shadow it (README.md,
+# "Importing from elsewhere", says what jaxcpp does about that): only that banner is silenced.
+PIP = PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip
 
 # Build, then stamp; on any failure remove the venv (a half-made one would be reused by the next run).
 $(PKG_STAMP): pyproject.toml
 	@if [ ! -x $(BIN)/python ]; then $(CHECK_PYTHON); fi
 	@{ [ -x $(BIN)/python ] || $(PY) -m venv $(VENV); } \
-	  && $(BIN)/pip install --quiet --upgrade pip \
-	  && $(BIN)/pip install --quiet -e . \
+	  && $(PIP) install --quiet --upgrade pip \
+	  && $(PIP) install --quiet -e . \
 	  && touch $@ \
 	  || $(SETUP_FAILED)
 
 $(TEST_STAMP): $(PKG_STAMP) pyproject.toml
-	@$(BIN)/pip install --quiet -e ".[test,parity]" \
+	@$(PIP) install --quiet -e ".[test,parity]" \
 	  && touch $@ \
 	  || $(SETUP_FAILED)
 

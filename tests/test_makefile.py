@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,19 @@ def test_serve_installs_only_the_package_and_test_adds_the_extras() -> None:
     for target in ("serve", "generate"):
         assert "pip install --quiet -e . " in dry[target] and "[test" not in dry[target], dry[target]
     assert 'pip install --quiet -e ".[test,parity]"' in dry["test"]
+
+
+def test_a_setup_that_works_prints_nothing(tmp_path: Path) -> None:
+    """pip 26 passes the build backend's warnings through --quiet; setuptools' editable-install banner is
+    one of them. Here a stand-in pip raises that warning as the backend does: the setup must stay silent."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "pip").write_text(f"#!/bin/sh\nexec {sys.executable} -c "
+                                      "'import warnings; warnings.warn(\"Editable installation.\", UserWarning)'\n")
+    for script in ("python", "pip"):
+        (venv / "bin" / script).chmod(0o755)
+    result = subprocess.run(["make", "-C", str(REPO), "-s", "setup", f"VENV={venv}"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and (venv / ".installed-test").exists(), result.stderr
+    assert result.stderr == "", result.stderr
