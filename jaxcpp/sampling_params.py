@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from jaxcpp.errors import InvalidRequestError
 
+FLOAT32_MAX = 3.4028234663852886e38  # temperatures past it are infinite on the device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,7 +24,7 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"must be integers, got {self.stop_token_ids!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:  # the device's float32; NaN fails too
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
