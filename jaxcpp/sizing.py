@@ -53,7 +53,7 @@ class EngineSizing:
     page_size: int
     pages_per_seq: int
     num_pages: int                  # per stage, page 0 (reserved for padding writes) included
-    token_buckets: list[int]        # every step's; the chunk sizes dynamic chunking snaps to
+    token_buckets: list[int]        # multiples of max(64, page size); dynamic chunking snaps chunks to them
     max_num_seqs: int
     layers: list[tuple[int, int]]   # [start, end) of each pipeline stage
     decode_buckets: list[int]       # below the token buckets, for decode-only steps

@@ -99,7 +99,7 @@ class StepInput:
 
 @dataclass(frozen=True)
 class StepShape:
-    token_buckets: list[int]    # every step's, multiples of max(64, page size)
+    token_buckets: list[int]    # multiples of max(64, page size), for any step
     max_num_seqs: int
     pages_per_seq: int
     page_size: int
