@@ -22,18 +22,32 @@ CHECK_PYTHON = found=$$($(PY) -c 'import sys; print("%d.%d.%d" % sys.version_inf
 	  exit 1; \
 	fi
 SETUP_FAILED = { rm -rf $(VENV); echo "make: setup failed; removed $(VENV) so the next run starts clean" >&2; exit 1; }
+# A recent pip (26.3 here) shows the build backend's warnings despite --quiet, and setuptools warns at every editable
+# install that a folder named like the package in the working directory may shadow it (LINK_PACKAGE
+# below is what jaxcpp does about that): only that banner is silenced.
+PIP = PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip
+
+# Python puts the current directory first on sys.path, so in the folder that holds this clone the clone's
+# own folder (named jaxcpp) is found first, as an empty namespace package that hides the installed one
+# ("cannot import name 'LLM' from 'jaxcpp'"). A sys.path entry holding the real package wins over it (a
+# regular package beats a namespace portion wherever it sits on the path): $(VENV)/jaxcpp-path holds a
+# link to it, named in a .pth file; jaxcpp.models and the other mapped folders still come from the
+# editable install.
+LINK_PACKAGE = mkdir -p $(VENV)/jaxcpp-path && ln -sfn $(CURDIR)/jaxcpp $(VENV)/jaxcpp-path/jaxcpp \
+	  && for sp in $(VENV)/lib/python3*/site-packages; do echo "$(abspath $(VENV))/jaxcpp-path" > $$sp/jaxcpp-path.pth; done
 
 # Build, then stamp; on any failure remove the venv (a half-made one would be reused by the next run).
 $(PKG_STAMP): pyproject.toml constraints.txt
 	@if [ ! -x $(BIN)/python ]; then $(CHECK_PYTHON); fi
 	@{ [ -x $(BIN)/python ] || $(PY) -m venv $(VENV); } \
-	  && $(BIN)/pip install --quiet --upgrade pip \
-	  && $(BIN)/pip install --quiet -c constraints.txt -e . \
+	  && $(PIP) install --quiet --upgrade pip \
+	  && $(PIP) install --quiet -c constraints.txt -e . \
+	  && $(LINK_PACKAGE) \
 	  && touch $@ \
 	  || $(SETUP_FAILED)
 
 $(TEST_STAMP): $(PKG_STAMP) pyproject.toml constraints.txt
-	@$(BIN)/pip install --quiet -c constraints.txt -e ".[test,parity]" \
+	@$(PIP) install --quiet -c constraints.txt -e ".[test,parity]" \
 	  && touch $@ \
 	  || $(SETUP_FAILED)
 

@@ -1,6 +1,7 @@
 """Load a module of this repository as it was at another git revision, for before/after runs in one process.
 
     old = module_at_revision("kernels/ragged_paged_attention.py", "main")
+    use_ladder_at("main")    # the engines built from now on pad steps as `main` did
 
 The file is read with `git show REV:PATH` and imported under a private name, so the current code and the
 old one sit side by side (the old file's own `jaxcpp.*` imports resolve to the current package, which is
@@ -34,3 +35,13 @@ def module_at_revision(path: str, revision: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def use_ladder_at(revision: str) -> None:
+    """Make the engines built from now on use the bucket ladder of `revision`: its token buckets, and its
+    decode-only rungs (none before there were any)."""
+    import jaxcpp.sizing as sizing
+
+    old = module_at_revision("jaxcpp/buckets.py", revision)
+    sizing.token_buckets = old.token_buckets
+    sizing.decode_buckets = getattr(old, "decode_buckets", lambda max_num_seqs, page_size: [])

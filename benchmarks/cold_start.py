@@ -69,14 +69,13 @@ def health_status(target: str) -> str | None:
 def serve_with_baseline(revision: str, argv: list[str]) -> int:
     """`jaxcpp serve` with the bucket ladder and the XLA attention path of `revision` patched in."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from baseline import module_at_revision
+    from baseline import use_ladder_at
     from offline_throughput import use_attention_at
 
-    import jaxcpp.sizing as sizing
     from jaxcpp.serving.cli import main as jaxcpp_main
 
     use_attention_at(revision)
-    sizing.token_buckets = module_at_revision("jaxcpp/buckets.py", revision).token_buckets
+    use_ladder_at(revision)
     return jaxcpp_main(argv)
 
 
@@ -192,7 +191,7 @@ def profile_child(args: argparse.Namespace) -> None:
     engine = LLMEngine(engine_config)
     build = time.perf_counter() - t1
     print(json.dumps({"import_s": imported, "engine_s": build,
-                      "warmup_s": engine.warmup_seconds, "buckets": engine.sizing.token_buckets,
+                      "warmup_s": engine.warmup_seconds, "buckets": engine.sizing.shape.buckets,
                       "events_s": dict(events.seconds), "event_counts": dict(events.counts)}))
 
 

@@ -2,6 +2,7 @@
 scheduling, at decode batch 1, 16 and 64 (the bundled model, prompt 16, 128 output tokens, greedy).
 
     .venv/bin/python benchmarks/host_overhead.py [--batches 1 16 64] [--output-len 128] [--repeat 3]
+    .venv/bin/python benchmarks/host_overhead.py --batches 1 --baseline main   # + async with main's ladder
 
 Two engines (async on and off) are built once and run the same batches alternately. The device's
 busy intervals come from the pipeline executor's per-stage watchers (`StageTiming.start/done`, see
@@ -11,6 +12,7 @@ next step; "other gaps" is the rest (inputs not yet on the device: the step's bu
 tokens, and the watcher thread's own wake-up latency, which the CPU backend cannot tell apart). The
 engine loop's own phases (`HostPhase`: schedule, build, dispatch, wait, postprocess) are summed per
 step. Medians of `--repeat` runs; the runs of both modes alternate so machine load falls on both alike.
+`--baseline REV` adds a third engine, async with the bucket ladder of git revision REV.
 """
 
 from __future__ import annotations
@@ -24,9 +26,20 @@ from collections import defaultdict
 PHASES = ("schedule", "build", "dispatch", "wait", "postprocess")
 
 
-def build(async_scheduling: bool, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def build(async_scheduling: bool, args: argparse.Namespace, revision: str | None = None):  # type: ignore[no-untyped-def]
     from jaxcpp import LLM
 
+    if revision:  # this engine only: the ladder of `revision`
+        from baseline import use_ladder_at
+
+        import jaxcpp.sizing as sizing
+
+        saved = sizing.token_buckets, sizing.decode_buckets
+        use_ladder_at(revision)
+        try:
+            return build(async_scheduling, args)
+        finally:
+            sizing.token_buckets, sizing.decode_buckets = saved
     llm = LLM(model=args.model, dtype="float32", max_num_seqs=max(args.batches), max_model_len=16 + args.output_len,
               async_scheduling=async_scheduling, log_stats_interval_s=0, enable_prefix_caching=False)
     phases: list = []
@@ -77,10 +90,13 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--baseline", metavar="REV", help="also run async with the bucket ladder of git revision REV")
     p.add_argument("--json", help="write every run here")
     args = p.parse_args()
 
     engines = {"sync": build(False, args), "async": build(True, args)}
+    if args.baseline:
+        engines[f"async@{args.baseline}"] = build(True, args, args.baseline)
     for llm, phases in engines.values():  # one untimed run each: first-call costs out of the way
         run_once(llm, phases, max(args.batches), args, seed=99)
     runs: dict[tuple[str, int], list[dict]] = defaultdict(list)
@@ -89,19 +105,19 @@ def main() -> None:
             for mode, (llm, phases) in engines.items():
                 runs[(mode, batch)].append(run_once(llm, phases, batch, args, seed=r))
                 last = runs[(mode, batch)][-1]
-                print(f"  {mode:5} batch {batch:3}: {last['tok_s']:8.1f} tok/s, device waits for the host "
+                print(f"  {mode:12} batch {batch:3}: {last['tok_s']:8.1f} tok/s, device waits for the host "
                       f"{100 * last['idle_share']:5.1f}%, other gaps {100 * last['other_gaps']:5.1f}%", flush=True)
 
     cols = ["tok_s", "step_ms", "device_ms", "idle_share", "other_gaps", *(f"{n}_ms" for n in PHASES)]
     print("\nmedians of", args.repeat, "runs")
-    print(f"{'batch':>5} {'mode':>5} " + " ".join(f"{c:>13}" for c in cols))
+    print(f"{'batch':>5} {'mode':>12} " + " ".join(f"{c:>13}" for c in cols))
     for batch in args.batches:
         for mode in engines:
             rs = runs[(mode, batch)]
             med = {c: statistics.median(r[c] for r in rs) for c in cols}
             cells = [f"{100 * med[c]:12.1f}%" if c in ("idle_share", "other_gaps") else f"{med[c]:13.2f}"
                      for c in cols]
-            print(f"{batch:5} {mode:>5} " + " ".join(cells))
+            print(f"{batch:5} {mode:>12} " + " ".join(cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": {f"{m}/{b}": rs for (m, b), rs in runs.items()}}, f, indent=2)

@@ -6,11 +6,13 @@ bucket at start-up and runs each once; that time is reported apart from the gene
 warmed up too (its first batch, untimed) before it is timed. HF runs each batch
 left-padded, greedy, to the batch's longest output (its `generate` cannot stop rows separately without
 wasting their slots), and only the tokens each request asked for are counted for either engine.
-jaxcpp's padding share (padded tokens over all tokens its steps ran) is printed too.
+jaxcpp's padding share (padded tokens over all tokens its steps ran) is printed too, and with
+`--price-decode-ladders` what it would have been with other decode-only rungs (the schedule does not
+depend on them, so the recorded steps price any ladder).
 
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 64 --model tiny
     .venv/bin/python benchmarks/offline_throughput.py --workload decode-heavy --batch-size 64 --skip-hf \
-        --baseline main --repeat 3      # jaxcpp now vs its attention path at `main`, alternating
+        --baseline main --repeat 3      # jaxcpp now vs its attention path and ladder at `main`, alternating
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
     return prompts, outputs
 
 
-def record_step_tokens(llm) -> list[tuple[int, int]]:
-    """(real tokens, padded tokens) of every step the engine submits from now on."""
-    steps: list[tuple[int, int]] = []
+def record_step_tokens(llm) -> list[tuple[int, int, bool]]:
+    """(real tokens, padded tokens, decode-only) of every step the engine submits from now on."""
+    steps: list[tuple[int, int, bool]] = []
     submit = llm.engine.executor.submit
 
     def recording_submit(step, *a, **kw):
-        steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded))  # padding repeats the real end
+        decode_only = int(step.num_decodes) == int(step.num_seqs)
+        steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded, decode_only))  # padding repeats the end
         return submit(step, *a, **kw)
 
     llm.engine.executor.submit = recording_submit
@@ -84,7 +87,7 @@ def run_jaxcpp(args: argparse.Namespace, prompts: list[list[int]], outputs: list
     for i in range(0, len(prompts), args.batch_size):
         llm.generate(prompt_token_ids=prompts[i:i + args.batch_size], sampling_params=params[i:i + args.batch_size])
     elapsed = time.perf_counter() - t0
-    real, padded = sum(r for r, _ in steps), sum(p for _, p in steps)
+    real, padded = sum(r for r, _, _ in steps), sum(p for _, p, _ in steps)
     return {"startup_s": startup, "compile_s": llm.engine.warmup_seconds, "generate_s": elapsed,
             "output_tok_s": sum(outputs) / elapsed, "total_tok_s": (sum(outputs) + sum(map(len, prompts))) / elapsed,
             "steps": len(steps), "padding_share": (padded - real) / padded, "step_tokens": steps}
@@ -135,13 +138,30 @@ def jaxcpp_child(spec: str) -> None:
     spec = json.loads(spec)
     args = argparse.Namespace(**spec["args"])
     if spec["revision"]:
+        from baseline import use_ladder_at
+
         use_attention_at(spec["revision"])
+        use_ladder_at(spec["revision"])
     if args.stub_attention:
         stub_attention()
     from jaxcpp.models.checkpoint import resolve_model
 
     prompts, outputs = workload(args, resolve_model(args.model)[0].vocab_size)
     print(json.dumps(run_jaxcpp(args, prompts, outputs)))
+
+
+def price_decode_ladders(run: dict, ladders: list[list[int]], args: argparse.Namespace) -> None:
+    """The recorded steps' padding share on the token buckets with each decode-only ladder."""
+    from jaxcpp.buckets import padding_share, token_buckets
+
+    real = [n for n, _, _ in run["step_tokens"]]
+    decode_only = [d for _, _, d in run["step_tokens"]]
+    buckets = token_buckets(args.max_num_batched_tokens, 16)
+    for rungs in ladders:
+        rungs = [r for r in rungs if r < buckets[0]]
+        share = padding_share(real, buckets, decode_only=decode_only, decode_rungs=rungs)
+        print(f"  decode-only rungs {rungs or 'none'}: padding share {100 * share:.1f}% "
+              f"({len(rungs) + len(buckets)} programs)")
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -164,7 +184,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--baseline", metavar="REV",
-                   help="also run jaxcpp with the XLA attention path of git revision REV (alternating)")
+                   help="also run jaxcpp with the XLA attention path and the bucket ladder of git revision REV "
+                        "(alternating)")
+    p.add_argument("--price-decode-ladders", nargs="*", default=[], metavar="RUNGS",
+                   help="also price the recorded steps with these decode-only rungs, e.g. 8,16,32 16,32 none")
     p.add_argument("--stub-attention", action="store_true",
                    help="jaxcpp with attention replaced by the identity: the step's cost outside attention")
     p.add_argument("--repeat", type=int, default=1, help="runs per engine, alternating; medians are printed")
@@ -196,6 +219,9 @@ def main() -> None:
     j = results["jaxcpp"]
     print(f"jaxcpp start-up {j['startup_s']:.1f}s, of which compiling every bucket {j['compile_s']:.1f}s; "
           f"{j['steps']} steps, padding share {100 * j['padding_share']:.1f}% of the tokens they ran")
+    if args.price_decode_ladders:
+        price_decode_ladders(j, [[] if r == "none" else [int(x) for x in r.split(",")]
+                                 for r in args.price_decode_ladders], args)
     if "hf" in results:
         print(f"ratio jaxcpp / HF output tokens/s (medians of {args.repeat}): "
               f"{j['output_tok_s'] / results['hf']['output_tok_s']:.2f}x")

@@ -10,8 +10,8 @@ streams `output_len` tokens (ignore_eos). Optionally a long prompt is injected a
 writes all of it, with per-request token timestamps, as JSON.
 
 `sweep`: starts one `jaxcpp serve` per configuration (chunking off, then each
-`--max-num-batched-tokens`), runs the same workload against each, and writes the markdown table and
-the ITL-over-time plot.
+`--max-num-batched-tokens`), runs the same workload against each (`--repeat` times, alternating, the
+table giving medians), and writes the markdown table and the ITL-over-time plot.
 
 `run --backend openai --target http://HOST:PORT/v1` measures the OpenAI-compatible HTTP API instead
 (streamed /v1/completions, read as raw server-sent events, so no client library's parsing is timed).
@@ -409,23 +409,27 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     configs = [("chunked off", ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
                                 str(args.unchunked_budget)])]
     configs += [(f"chunked, {b}", ["--max-num-batched-tokens", str(b)]) for b in args.budgets]
-    rows = []
-    for name, flags in configs:
-        server = LocalServer([*args.serve_args.split(), *flags])
-        t = time.time()
-        try:
-            result = run_once(args, server.target)
-        finally:
-            server.stop()
-        result["name"], result["serve_flags"] = name, flags
-        rows.append(result)
-        s = result["summary"]
-        print(f"{name:<16} p50 ITL {s['itl_ms']['median']:.1f} ms  p99 ITL {s['itl_ms']['p99']:.1f} ms  "
-              f"({time.time() - t:.0f}s)", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    for i in range(args.repeat):  # the configurations alternate, so the machine's load falls on all alike
+        for name, flags in configs:
+            server = LocalServer([*args.serve_args.split(), *flags])
+            t = time.time()
+            try:
+                result = run_once(args, server.target)
+            finally:
+                server.stop()
+            result["name"], result["serve_flags"] = name, flags
+            runs[name].append(result)
+            s = result["summary"]
+            print(f"run {i + 1} {name:<16} p50 ITL {s['itl_ms']['median']:.1f} ms  p99 ITL {s['itl_ms']['p99']:.1f} "
+                  f"ms  max ITL {s['itl_ms']['max']:.0f} ms  ({time.time() - t:.0f}s)", flush=True)
+    rows = [median_row(rs) for rs in runs.values()]
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(rows, indent=1))
-    table = sweep_table(rows)
-    print(table)
+    print(sweep_table(rows) + (f"\n\nmedians of {args.repeat} runs per configuration" if args.repeat > 1 else ""))
+    for row in rows:
+        print(f"{row['name']}: max ITL of each run " + ", ".join(f"{r['itl_ms']['max']:.0f}" for r in row["runs"])
+              + " ms")
     if args.plot:
         plot_itl_over_time(rows, args.plot)
     return 0
@@ -498,6 +502,25 @@ def frontends_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"\nconcurrency {c}: HTTP median ITL / gRPC median ITL = "
                          f"{itl[(c, 'openai')] / itl[(c, 'grpc')]:.3f}")
     return "\n".join(lines)
+
+
+def median_row(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs as one row: every figure of the summary the median over the runs; the
+    requests (for the plot) of the run whose p99 ITL is the median."""
+    summaries = [r["summary"] for r in results]
+
+    def median(key: str) -> Any:
+        values = [s[key] for s in summaries]
+        if any(v is None for v in values):
+            return None
+        if isinstance(values[0], dict):
+            return {k: float(np.median([v[k] for v in values])) for k in values[0]}
+        if isinstance(values[0], int | float):
+            return float(np.median(values))
+        return values[0]
+
+    middle = sorted(results, key=lambda r: r["summary"]["itl_ms"]["p99"])[len(results) // 2]
+    return {**middle, "summary": {key: median(key) for key in summaries[0]}, "runs": summaries}
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
@@ -620,6 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--max-num-batched-tokens with chunking off (must hold the long prompt)")
     sweep.add_argument("--serve-args", default="--model tiny", help="flags for every `jaxcpp serve`")
     sweep.add_argument("--plot", default=None, help="write the ITL-over-time PNG here")
+    sweep.add_argument("--repeat", type=int, default=1, help="runs per configuration, alternating; the table "
+                       "gives medians (single runs are noisy on a shared machine)")
     prefix = sub.add_parser("prefix", help="prefix caching on vs off: shared system prompt and multi-turn chat")
     prefix.add_argument("--serve-args", default="--model tiny", help="flags for both `jaxcpp serve`")
     prefix.add_argument("--shared-prefix-len", type=int, default=1024, help="tokens of the shared system prompt")

@@ -4,11 +4,21 @@ Token counts are padded up to a ladder of multiples of `alignment = max(64, page
 doubles every time the size doubles (at most 8 rungs per octave) so padding waste stays under ~12.5%
 past the first octaves while the number of programs grows only logarithmically. The sequence count of
 a step is padded to `min(token bucket, max_num_seqs)`, so there is exactly one program per token bucket.
+
+Decode-only steps (one token per running sequence, no prompt chunk) may also take a short ladder below
+the alignment, `DECODE_LADDER` (`decode_buckets`): once the prompts are in, a step of a few decodes
+would otherwise compute 64 rows for each token. Steps that carry any prompt chunk never take those
+rungs, so what chunked prefill computes (and the chunk sizes the controller snaps to) is unchanged.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
+
+# Rungs below the alignment for decode-only steps; chosen from the mixed workload's padding share and
+# the cold start each program costs (docs/benchmarks.md, "Decode-only buckets").
+DECODE_LADDER = (8, 16, 32)
 
 
 def token_alignment(page_size: int) -> int:
@@ -27,6 +37,22 @@ def token_buckets(max_num_batched_tokens: int, page_size: int) -> list[int]:
     return buckets
 
 
+def decode_buckets(max_num_seqs: int, page_size: int) -> list[int]:
+    """The rungs of `DECODE_LADDER` below the alignment, up to the first that holds `max_num_seqs`
+    decodes (no decode-only step is larger)."""
+    rungs: list[int] = []
+    for rung in DECODE_LADDER:
+        if rung >= token_alignment(page_size) or (rungs and rungs[-1] >= max_num_seqs):
+            break
+        rungs.append(rung)
+    return rungs
+
+
+def step_bucket(num_tokens: int, decode_only: bool, buckets: list[int], decode_rungs: Sequence[int] = ()) -> int:
+    """The token bucket a step runs in: the smallest that holds it, a decode rung only if `decode_only`."""
+    return pad_to_bucket(num_tokens, [*decode_rungs, *buckets] if decode_only else buckets)
+
+
 def pad_to_bucket(n: int, buckets: list[int]) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
@@ -38,12 +64,14 @@ def seq_bucket(token_bucket: int, max_num_seqs: int) -> int:
     return min(token_bucket, max_num_seqs)
 
 
-def padding_share(step_tokens: list[int], buckets: list[int]) -> float:
+def padding_share(step_tokens: list[int], buckets: list[int], *, decode_only: Sequence[bool] = (),
+                  decode_rungs: Sequence[int] = ()) -> float:
     """The share of padding in the tokens a run's steps computed: sum(bucket - n) / sum(bucket).
 
-    `step_tokens` are the real token counts of the steps (the schedule does not depend on the ladder,
-    so one recorded run prices any ladder)."""
+    `step_tokens` are the real token counts of the steps and `decode_only` which of them carried no
+    prompt chunk (the schedule does not depend on the ladder, so one recorded run prices any ladder)."""
     if not step_tokens:
         raise ValueError("step_tokens is empty: no steps to price")
-    padded = sum(pad_to_bucket(n, buckets) for n in step_tokens)
+    flags = list(decode_only) or [False] * len(step_tokens)
+    padded = sum(step_bucket(n, d, buckets, decode_rungs) for n, d in zip(step_tokens, flags, strict=True))
     return (padded - sum(step_tokens)) / padded

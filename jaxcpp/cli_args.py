@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Collection
 from typing import Any
 
-from jaxcpp.config import DEPRECATED_ALIASES, ENGINE_SECTIONS, EngineConfig, ServerConfig, resolve_alias
+from jaxcpp.config import DEPRECATED_ALIASES, ENGINE_SECTIONS, EngineConfig, ServerConfig
 
 
 class _DeprecatedAlias(argparse.Action):
-    """Stores into the new name's field and warns once on stderr (`--block-size` -> `--page-size`)."""
+    """Stores into the new name's field and says so on stderr (`--block-size` -> `--page-size`)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        resolve_alias(self.dest.removeprefix("_alias_"))
-        setattr(namespace, DEPRECATED_ALIASES[self.dest.removeprefix("_alias_")], values)
+        new = DEPRECATED_ALIASES[self.dest.removeprefix("_alias_")]
+        print(f"{parser.prog}: warning: {option_string} is deprecated: use --{new.replace('_', '-')}",
+              file=sys.stderr)
+        setattr(namespace, new, values)
 
 
 def _base_type(annotation: Any) -> type:

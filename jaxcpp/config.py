@@ -73,7 +73,8 @@ class SchedulerConfig:
                                       "largest prompt chunk")
     max_num_seqs: int = opt(64, "most sequences in one step")
     enable_chunked_prefill: bool = opt(True, "split prompts into chunks that share steps with decodes")
-    log_stats_interval_s: float = opt(10.0, "seconds between engine-status log lines (0: never)")
+    log_stats_interval_s: float = opt(10.0, "seconds between engine-status log lines while the engine works; their "
+                                          "rates are over its busy time (0: never)")
     async_scheduling: bool = opt(True, "schedule step k+1 while step k runs; decodes take their input "
                                  "token on the device (--no-async-scheduling: wait for every step)")
 
@@ -215,7 +216,12 @@ def _env_coordinator() -> str | None:
 
 
 def _default_smooth_factor() -> float:
-    return float(os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", str(DEFAULT_SMOOTH_FACTOR)))
+    value = os.environ.get("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", str(DEFAULT_SMOOTH_FACTOR))
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"environment variable JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR: expected a number, "
+                          f"got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -341,7 +347,8 @@ def resolve_alias(name: str) -> str:
     new = DEPRECATED_ALIASES.get(name)
     if new is None:
         return name
-    warnings.warn(f"{_flag(name)} is deprecated: use {_flag(new)}", DeprecationWarning, stacklevel=3)
+    # FutureWarning, not DeprecationWarning: Python shows it by default (it hid the other from CLI users)
+    warnings.warn(f"{_flag(name)} is deprecated: use {_flag(new)}", FutureWarning, stacklevel=3)
     return new
 
 

@@ -29,9 +29,10 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
-from jaxcpp.config import EngineConfig
+from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
+from jaxcpp.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.in_flight import InFlight
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
@@ -48,12 +49,18 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
-                 record_logits: bool = False) -> None:
+                 record_logits: bool = False, freeze_heap: bool | None = None) -> None:
+        """`freeze_heap`: freeze start-up's objects out of the garbage collector's way after warm-up
+        (`jaxcpp.gc_heap`). Default: when the engine builds its executor itself (a server, `LLM(model=)`);
+        not when handed one (tests and tools build many engines per process, and each freeze walks the
+        whole heap once, ~0.25 s)."""
         self.config = config
         self.record_logits = record_logits
+        spec = resolve_model_spec(config.model.model, config.model.dtype)  # a bad folder fails first
         device = _device_side() if executor is None else None
-        dtype = device.resolve_dtype(config.model.dtype) if device is not None else config.model.dtype
-        self.sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, dtype))
+        if device is not None:
+            spec = spec.with_dtype(device.resolve_dtype(config.model.dtype))
+        self.sizing = EngineSizing.plan(config, spec)
         self.tokenizer = self.sizing.spec.tokenizer
         if device is not None:
             executor = device.build_executor(config, self.sizing)
@@ -67,6 +74,9 @@ class LLMEngine:
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
+        self._frozen = device is not None if freeze_heap is None else freeze_heap
+        if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.gc_heap)
+            freeze_startup_heap()
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: InFlight[tuple[SchedulerOutput, int]] = InFlight(
             self.executor.max_in_flight + self.async_scheduling)  # (step, ticket)
@@ -76,7 +86,7 @@ class LLMEngine:
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page)",
-                 len(self.sizing.token_buckets), self.sizing.token_buckets, self.warmup_seconds,
+                 len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
                  self.allocator.num_usable, self.sizing.page_size)
 
     def _build_chunk_sizer(self) -> ChunkSizer:
@@ -86,8 +96,12 @@ class LLMEngine:
                                                   max_model_len=self.sizing.max_model_len)
 
     def close(self) -> None:
-        """Release the executor (its threads, trace file, devices). Idempotent."""
+        """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
         self.executor.close()
+        self._phases.close()
+        if self._frozen:
+            thaw()
+            self._frozen = False
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -96,7 +110,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        check_request(token_ids, params, self.sizing, self.config.scheduler)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
@@ -119,23 +133,6 @@ class LLMEngine:
             raise InvalidRequestError("prompt", "this model folder has no tokenizer.json: send token ids")
         return self.tokenizer.encode(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        max_len, vocab = self.sizing.max_model_len, self.sizing.spec.config.vocab_size
-        if not token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) > max_len:
-            raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens, more than --max-model-len {max_len}")
-        if len(token_ids) + params.max_tokens > max_len:
-            raise InvalidRequestError("max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens "
-                                      f"({params.max_tokens}) exceeds --max-model-len {max_len}")
-        budget = self.config.scheduler.max_num_batched_tokens
-        if not self.config.scheduler.enable_chunked_prefill and len(token_ids) > budget:
-            raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
-                                      f"prompt must fit --max-num-batched-tokens {budget}")
-
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """End a request now and free its pages; `reason` "stop" when the edge matched a stop string."""
         seq = self.scheduler.requests.get(request_id)
@@ -150,17 +147,24 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
+        start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
+        submitted = collect = False
         try:
             submitted = self._pipe_has_room() and self._submit_next()
-            if self._in_flight and (not self._pipe_has_room() or not submitted):
+            collect = bool(self._in_flight) and (not self._pipe_has_room() or not submitted)
+            if collect:
                 outputs += self._collect_oldest()
         except ExecutorError as error:
             outputs += self._fail_in_flight(error)
         self.executor.record_host_phases(self._phases.take())
+        self._log_stats(time.perf_counter() - start if submitted or collect else 0.0)  # busy time only
+        return outputs
+
+    def _log_stats(self, busy_s: float) -> None:
+        self._stats.add_busy(busy_s)
         if self._stats.due():
             self._stats.log(self.stats(), self.chunking.report())
-        return outputs
 
     def _pipe_has_room(self) -> bool:
         return self._in_flight.has_room()
@@ -272,14 +276,39 @@ class LLMEngine:
                          c.parallel.tensor_parallel_size, self.sizing.eos_token_ids)
 
 
+def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSizing,
+                  scheduler: SchedulerConfig) -> None:
+    """Refuse a request the engine cannot run, naming the field (`InvalidRequestError`). Needs only the
+    sizing, so `jaxcpp generate` checks its prompt before it loads the model and compiles."""
+    max_len, vocab = sizing.max_model_len, sizing.spec.config.vocab_size
+    if not token_ids:
+        raise InvalidRequestError("prompt", "is empty")
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    if len(token_ids) > max_len:
+        raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens, more than --max-model-len {max_len}")
+    if len(token_ids) + params.max_tokens > max_len:
+        raise InvalidRequestError("max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens "
+                                  f"({params.max_tokens}) exceeds --max-model-len {max_len}")
+    budget = scheduler.max_num_batched_tokens
+    if not scheduler.enable_chunked_prefill and len(token_ids) > budget:
+        raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
+                                  f"prompt must fit --max-num-batched-tokens {budget}")
+
+
 class PhaseRecorder:
-    """The engine loop's own time, phase by phase (`HostPhase`), handed to the executor's trace."""
+    """The engine loop's own time, phase by phase (`HostPhase`), handed to the executor's trace, and the
+    garbage collector's pauses as phase "gc" of the step being timed (every thread waits for those)."""
 
     def __init__(self) -> None:
         self._done: list[HostPhase] = []
+        self._step = 0
+        self._gc = GcWatch(lambda start, end: self._done.append(HostPhase("gc", self._step, start, end)))
 
     def timer(self, step: int) -> Callable[[str], AbstractContextManager[None]]:
         """`with timer("build"): ...` records that phase of step `step`."""
+        self._step = step
 
         @contextmanager
         def phase(name: str) -> Iterator[None]:
@@ -294,6 +323,9 @@ class PhaseRecorder:
     def take(self) -> list[HostPhase]:
         done, self._done = self._done, []
         return done
+
+    def close(self) -> None:
+        self._gc.close()
 
 
 def _device_side() -> Any:

@@ -85,7 +85,7 @@ class StepResult:
 class HostPhase:
     """Where the engine loop's own time went: one phase of one step (perf_counter seconds)."""
 
-    name: str             # schedule, build, dispatch, wait or postprocess
+    name: str             # schedule, build, dispatch, wait, postprocess, or gc (a collector pause)
     step: int             # the scheduler's step id
     start: float
     end: float

@@ -112,7 +112,7 @@ class FakeExecutor:
 
     # ---- the Executor contract -----------------------------------------------------------------
     def warmup(self, shape: StepShape) -> float:
-        for num_tokens in shape.token_buckets:
+        for num_tokens in shape.buckets:
             self._programs.add((num_tokens, min(num_tokens, shape.max_num_seqs)))
         self._compilations = len(self._programs)
         self._warm = True

@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20   # top log-probabilities the device computes per token (OpenA
 MAX_N = 128         # samples of one prompt
 MAX_STOP_STRINGS = 16
 MAX_BANNED_IDS = 8  # stop ids (EOS + stop_token_ids) min_tokens keeps from being sampled
+FLOAT32_MAX = 3.4028234663852886e38  # temperatures past it are infinite on the device
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class SamplingParams:
         if not all(isinstance(t, int) for t in self.stop_token_ids):  # ids no token has simply never match
             raise InvalidRequestError("stop_token_ids", f"must be integers, got {self.stop_token_ids!r}")
         _integer("max_tokens", self.max_tokens, 1)
-        if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:  # the device's float32; NaN fails too
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")

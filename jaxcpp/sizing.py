@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcpp.buckets import token_buckets
+from jaxcpp.buckets import decode_buckets, token_buckets
 from jaxcpp.config import ConfigError, EngineConfig
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.spec import ModelSpec
@@ -55,13 +55,15 @@ class EngineSizing:
     page_size: int
     pages_per_seq: int
     num_pages: int                  # per stage, page 0 (reserved for padding writes) included
-    token_buckets: list[int]
+    token_buckets: list[int]        # multiples of max(64, page size); dynamic chunking snaps chunks to them
     max_num_seqs: int
     layers: list[tuple[int, int]]   # [start, end) of each pipeline stage
+    decode_buckets: list[int]       # below the token buckets, for decode-only steps
 
     @property
     def shape(self) -> StepShape:
-        return StepShape(self.token_buckets, self.max_num_seqs, self.pages_per_seq, self.page_size)
+        return StepShape(self.token_buckets, self.max_num_seqs, self.pages_per_seq, self.page_size,
+                         self.decode_buckets)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -82,9 +84,10 @@ class EngineSizing:
         pages_per_seq = -(-max_model_len // page_size)
         largest_stage = max(end - start for start, end in layers)
         num_pages = _num_pages(config, model, largest_stage, pages_per_seq)
+        max_num_seqs = config.scheduler.max_num_seqs
         return EngineSizing(spec, max_model_len, page_size, pages_per_seq, num_pages,
-                            token_buckets(config.scheduler.max_num_batched_tokens, page_size),
-                            config.scheduler.max_num_seqs, layers)
+                            token_buckets(config.scheduler.max_num_batched_tokens, page_size), max_num_seqs,
+                            layers, decode_buckets(max_num_seqs, page_size))
 
 
 def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: int, pages_per_seq: int) -> int:

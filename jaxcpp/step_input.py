@@ -1,7 +1,8 @@
 """A scheduled step (`SchedulerOutput`) -> padded host arrays: one bucket-shaped batch, one transfer (no jax).
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
-token bucket T and the sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
+token bucket T (a decode-only step: possibly a decode rung below the others, `jaxcpp.buckets`) and the
+sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
 the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
 padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
 A decode whose input token is still on the device (async scheduling) is sent as token 0 with
@@ -21,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxcpp.buckets import pad_to_bucket, seq_bucket
+from jaxcpp.buckets import seq_bucket, step_bucket
 from jaxcpp.page_allocator import RESERVED_PAGE
 from jaxcpp.sampling_params import MAX_BANNED_IDS
 from jaxcpp.sequence import Sequence
@@ -76,6 +77,11 @@ class SchedulerOutput:
         return any(c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids) - 1
                    for c in self.chunks)
 
+    @property
+    def is_decode_only(self) -> bool:
+        """One token for each of its sequences and no prompt chunk: it may take a decode rung."""
+        return bool(self.chunks) and self.num_decodes == len(self.chunks)
+
 
 # ---- the step's padded arrays ------------------------------------------------------------------------
 
@@ -122,10 +128,16 @@ class StepInput:
 
 @dataclass(frozen=True)
 class StepShape:
-    token_buckets: list[int]
+    token_buckets: list[int]    # multiples of max(64, page size), for any step
     max_num_seqs: int
     pages_per_seq: int
     page_size: int
+    decode_buckets: list[int] = field(default_factory=list)  # below those, decode-only steps only
+
+    @property
+    def buckets(self) -> list[int]:
+        """Every token count a program is compiled for, ascending."""
+        return [*self.decode_buckets, *self.token_buckets]
 
 
 def padding_step(num_tokens: int, shape: StepShape) -> StepInput:
@@ -137,7 +149,7 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
     """Per-sequence values gathered into lists and written once per field, but for the page table
     rows and the fed-back rows, one per chunk (a decode step of 64 sequences is 64 one-token chunks:
     per-chunk numpy calls for every field would dominate the host's step)."""
-    num_tokens = pad_to_bucket(sched.num_tokens, shape.token_buckets)
+    num_tokens = step_bucket(sched.num_tokens, sched.is_decode_only, shape.token_buckets, shape.decode_buckets)
     step = _padding(num_tokens, seq_bucket(num_tokens, shape.max_num_seqs), shape.pages_per_seq)
     chunks, n, total = sched.chunks, len(sched.chunks), sched.num_tokens
     step.num_seqs[...] = n

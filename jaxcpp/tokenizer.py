@@ -159,11 +159,6 @@ class IncrementalDetokenizer:
             self._prefix = 0
 
 
-def has_tokenizer(folder: str | Path) -> bool:
-    """Whether `load_tokenizer` would find one: callers check this before loading a model for text prompts."""
-    return any((Path(folder) / name).is_file() for name in (HF_TOKENIZER_FILE, BYTE_TOKENIZER_FILE))
-
-
 def load_tokenizer(folder: str | Path, config: LlamaConfig) -> Tokenizer | None:
     """The folder's tokenizer: `tokenizer.json` (HF), `byte_tokenizer.json` (bytes), else None."""
     folder = Path(folder)

@@ -11,6 +11,7 @@ then loads only its own layers from `spec.folder` (`jaxcpp.models.checkpoint.loa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,14 @@ class ModelSpec:
     tokenizer: Tokenizer | None
     format: str  # "orbax" | "hf"
 
+    def with_dtype(self, dtype: str | None) -> ModelSpec:
+        """The spec with the dtype the engine runs in (None or "auto": the checkpoint's)."""
+        if dtype in (None, "auto"):
+            return self
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        return dataclasses.replace(self, config=self.config.replace(dtype=dtype))
+
     @property
     def stored_dtype(self) -> str:
         """The dtype an orbax folder's arrays were saved in (config.json's, before any --dtype)."""
@@ -48,9 +57,5 @@ def resolve_model_spec(name_or_path: str | Path, dtype: str | None = "auto") -> 
     """'tiny' (bundled), an orbax folder from `save_orbax`, or a Hugging Face folder."""
     folder = model_folder(name_or_path)
     config = LlamaConfig.from_pretrained(folder)
-    if dtype not in (None, "auto"):
-        if dtype not in DTYPES:
-            raise ModelLoadError(f"--dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-        config = config.replace(dtype=dtype)
     fmt = "orbax" if (folder / ORBAX_PARAMS_DIR).is_dir() else "hf"
-    return ModelSpec(str(name_or_path), folder, config, load_tokenizer(folder, config), fmt)
+    return ModelSpec(str(name_or_path), folder, config, load_tokenizer(folder, config), fmt).with_dtype(dtype)

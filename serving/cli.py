@@ -16,14 +16,14 @@ checks everything it can (flags, prompt, tokenizer) before it loads the model an
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from jaxcpp.cli_args import add_config_args, add_engine_args, engine_config_from_args, server_config_from_args
-from jaxcpp.config import ConfigError, ServerConfig
+from jaxcpp.config import API_KEY_ENV, ConfigError, ServerConfig
 from jaxcpp.errors import InvalidRequestError, ModelLoadError
 from jaxcpp.executor import ExecutorError
 from jaxcpp.logs import configure_cli_logging
@@ -122,33 +122,41 @@ def _serve(args: argparse.Namespace) -> int:
             return _serve_stage(engine_config.parallel)
     if (warning := command_line_key_warning(args)) is not None:
         print(warning, file=sys.stderr, flush=True)
+    from jaxcpp.models.spec import resolve_model_spec
+
+    resolve_model_spec(engine_config.model.model, engine_config.model.dtype)  # a bad folder fails before listening
 
     def build_engine() -> Any:  # in a worker thread, while health answers NOT_SERVING
         from jaxcpp.engine import LLMEngine
 
         return LLMEngine(engine_config)
 
+    served = False
+
     def listening(server: Server) -> None:
         print(f"jaxcpp: listening on {_addresses(server)} (health NOT_SERVING); loading "
               f"{engine_config.model.model} and compiling every bucket ...", file=sys.stderr, flush=True)
 
     def ready(server: Server) -> None:
+        nonlocal served
+        served = True
         metrics = f", metrics on http://{server_config.host}:{server.metrics_port}/metrics" \
             if server.metrics_port is not None else ""
         tls = " (TLS)" if server_config.tls_cert else ""
         print(f"jaxcpp: serving {engine_config.model.model} on {_addresses(server)}{tls}{metrics}", flush=True)
 
     code = asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
-    if code != 0:  # the engine failed while serving; the server and the stages are stopped
+    if code != 0 or not served:  # the engine failed, or a stop during warm-up
         _exit_now(code)
     return code
 
 
 def _exit_now(code: int) -> None:
-    """Exit without the interpreter's teardown (about a second for jax's and gRPC's modules): an
-    orchestrator restarts a failed pipeline, and the contract is to be gone within 2 s of a stage's death."""
-    import logging
-
+    """Exit without the interpreter's teardown. After a failure (a stage's death) the server and the stages
+    are stopped and teardown would take about a second more, while the contract is to be gone within 2 s.
+    A stop during warm-up leaves the engine's build running in threads (loading weights, an XLA compile
+    that cannot be interrupted) that interpreter exit would wait for, up to a minute on a real model:
+    past an orchestrator's grace period. Nothing is in flight either way, so nothing is lost."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -185,13 +193,31 @@ def _client(args: argparse.Namespace) -> int:
         print("jaxcpp client: give the prompt once: as text, --prompt-file or --prompt-token-ids", file=sys.stderr)
         return 2
     prompt = _read_prompt(args)
-    with Client(args.target, api_key=args.api_key, tls=args.tls, root_certificates=args.tls_ca,
+    api_key = ServerConfig(api_key=args.api_key, api_key_file=args.api_key_file).resolve_api_key()
+    with Client(args.target, api_key=api_key, tls=args.tls, root_certificates=args.tls_ca,
                 server_name=args.server_name, timeout=args.timeout) as client:
         try:
             return _client_call(client, args, prompt)
         except ClientError as err:
-            print(f"jaxcpp client: {err.status.name}: {err.message}", file=sys.stderr)
+            print(f"jaxcpp client: {_explain(client, err)}", file=sys.stderr)
             return 1
+
+
+def _explain(client: Any, err: Any) -> str:
+    """The failure in words that say what to do: a refused key names where the key comes from; a
+    target that cannot be reached gets `wait_connected`'s sentence first, gRPC's transport text (the
+    cause: refused, DNS, a TLS handshake) after it."""
+    from jaxcpp.serving.client import ClientError
+
+    if err.status.name == "UNAUTHENTICATED":
+        return (f"{err.status.name}: {err.message}; give the server's key with --api-key-file PATH or the "
+                f"{API_KEY_ENV} environment variable")
+    if err.status.name == "UNAVAILABLE":
+        try:
+            client.wait_connected(timeout=1.0)
+        except ClientError as unreachable:
+            return f"{unreachable.status.name}: {unreachable.message} ({err.message})"
+    return f"{err.status.name}: {err.message}"
 
 
 def _client_call(client: Any, args: argparse.Namespace, prompt: str | list[int] | None) -> int:
@@ -227,20 +253,25 @@ def _client_call(client: Any, args: argparse.Namespace, prompt: str | list[int] 
 
 # -- generate (offline) --------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
+    """Everything that can be checked is, before minutes of loading and compiling: the flags, the
+    prompt, the model folder (config.json, tokenizer), the prompt against the model's length."""
     configure_cli_logging(args.log_level)
     config = engine_config_from_args(args)  # validates; errors name the flag
     prompt = _read_prompt(args)
     if prompt is None:
         raise InvalidRequestError("--prompt", "give a prompt: --prompt TEXT, --prompt-file PATH (or -), "
                                   "or --prompt-token-ids 1,2,3")
-    if isinstance(prompt, str):
-        _require_tokenizer(config.model.model)  # before loading and compiling, not after
     from jaxcpp import LLM, SamplingParams
+    from jaxcpp.engine import check_request
+    from jaxcpp.models.spec import resolve_model_spec
+    from jaxcpp.sizing import EngineSizing
 
     params = SamplingParams(**_sampling_kwargs(args))
+    sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
+    token_ids = prompt if isinstance(prompt, list) else _encode(sizing.spec, prompt)
+    check_request(token_ids, params, sizing, config.scheduler)
     llm = LLM.from_config(config)
-    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0] if isinstance(prompt, list) \
-        else llm.generate(prompt, params)[0]
+    out = llm.generate(prompt_token_ids=[token_ids], sampling_params=params)[0]
     m = out.metrics
     print(out.text if llm.engine.tokenizer is not None else ",".join(map(str, out.token_ids)))
     print(_metrics_line(len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, m.ttft or 0.0,
@@ -248,15 +279,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require_tokenizer(model: str) -> None:
-    """A text prompt needs the model folder's tokenizer; say so before minutes of loading and compiling."""
-    from jaxcpp.models.checkpoint import BUNDLED_MODELS
-    from jaxcpp.tokenizer import has_tokenizer
-
-    folder = BUNDLED_MODELS.get(model, Path(model))
-    if folder.is_dir() and not has_tokenizer(folder):
-        raise InvalidRequestError("--prompt", f"{model} has no tokenizer (tokenizer.json or byte_tokenizer.json):"
-                                  " give --prompt-token-ids instead")
+def _encode(spec: Any, text: str) -> list[int]:
+    if spec.tokenizer is None:
+        raise InvalidRequestError("--prompt", f"{spec.name} has no tokenizer (tokenizer.json or "
+                                  "byte_tokenizer.json): give --prompt-token-ids instead")
+    return list(spec.tokenizer.encode(text))
 
 
 # -- parser --------------------------------------------------------------------------------------
@@ -283,8 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--target", default="127.0.0.1:50051",
                         help="server address host:port (default: %(default)s)")
     client.add_argument("--stream", action="store_true", help="print tokens as they arrive (default: off)")
-    client.add_argument("--api-key", default=os.environ.get("JAXCPP_API_KEY"),
-                        help="sent as 'authorization: Bearer <key>' (default: env JAXCPP_API_KEY)")
+    key = client.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="sent as 'authorization: Bearer <key>'; visible in `ps` (default: --api-key-file, "
+                          f"else env {API_KEY_ENV})")
+    key.add_argument("--api-key-file", metavar="PATH", default=None,
+                     help=f"read the key from this file's first line (default: env {API_KEY_ENV})")
     client.add_argument("--tls", action="store_true",
                         help="use TLS with the system's root certificates (default: off)")
     client.add_argument("--tls-ca", default=None,

@@ -1,6 +1,7 @@
 """Python client stubs for `jaxcpp.v1.JaxcppService`: `Client` (blocking) and `AsyncClient` (asyncio).
 
     with Client("127.0.0.1:50051") as c:
+        c.wait_ready(timeout=120)          # connected and SERVING: a starting server compiles first
         print(c.generate("Once upon a time", max_tokens=32, temperature=0).text)
         for delta in c.stream("Once upon a time", max_tokens=32):
             print(delta.text, end="")
@@ -15,7 +16,9 @@ Leaving a `stream()` loop early cancels the call, and the server aborts the requ
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +35,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # The server's refusals read "field: what is wrong" (jaxcpp.errors.InvalidRequestError).
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
 _T = TypeVar("_T")
+_POLL_S = 0.1  # wait_ready: how often health is asked while the server warms up
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                    pb.FINISH_REASON_ABORT: "abort"}
 
@@ -181,6 +185,15 @@ def _server_stats(msg: pb.GetServerStatsResponse) -> ServerStats:
                        uptime_s=msg.uptime_s, dynamic_chunking_labels=dict(msg.dynamic_chunking.labels))
 
 
+def _unreachable(target: str, timeout: float) -> ClientError:
+    return ClientError(grpc.StatusCode.UNAVAILABLE, f"no jaxcpp server reachable at {target} within {timeout:g}s")
+
+
+def _not_ready(target: str, timeout: float, status: str) -> ClientError:
+    return ClientError(grpc.StatusCode.UNAVAILABLE, f"the jaxcpp server at {target} is not ready within "
+                       f"{timeout:g}s: its health is {status} (still warming up, or shutting down)")
+
+
 class _ClientBase:
     """Channel, metadata and stubs shared by both clients; `_grpc` opens the channel (grpc or grpc.aio)."""
 
@@ -213,12 +226,22 @@ class Client(_ClientBase):
     _grpc = grpc
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        """Block until the channel is connected; ClientError (UNAVAILABLE, naming the target) if not in time."""
+        """Block until the server is ready for requests: connected, and its health SERVING (a server
+        answers NOT_SERVING while it warms up). ClientError (UNAVAILABLE) naming the target if not in time."""
+        deadline = time.monotonic() + timeout
+        self.wait_connected(timeout)
+        while (status := self.health(timeout=max(_POLL_S, deadline - time.monotonic()))) != "SERVING":
+            if time.monotonic() + _POLL_S > deadline:
+                raise _not_ready(self.target, timeout, status)
+            time.sleep(_POLL_S)
+
+    def wait_connected(self, timeout: float = 10.0) -> None:
+        """Block until the channel is connected (the server may still be warming up); ClientError
+        (UNAVAILABLE, naming the target) if not in time."""
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no jaxcpp server reachable at {self.target} "
-                              f"within {timeout:g}s") from None
+            raise _unreachable(self.target, timeout) from None
 
     def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                **sampling: Any) -> Iterator[Delta]:
@@ -265,14 +288,21 @@ class AsyncClient(_ClientBase):
     _grpc = grpc.aio
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until the channel is connected; ClientError (UNAVAILABLE, naming the target) if not in time."""
-        import asyncio
+        """Wait until the server is ready for requests: connected, and its health SERVING; ClientError
+        (UNAVAILABLE, naming the target) if not in time."""
+        deadline = time.monotonic() + timeout
+        await self.wait_connected(timeout)
+        while (status := await self.health(timeout=max(_POLL_S, deadline - time.monotonic()))) != "SERVING":
+            if time.monotonic() + _POLL_S > deadline:
+                raise _not_ready(self.target, timeout, status)
+            await asyncio.sleep(_POLL_S)
 
+    async def wait_connected(self, timeout: float = 10.0) -> None:
+        """Wait until the channel is connected; ClientError (UNAVAILABLE, naming the target) if not in time."""
         try:
             await asyncio.wait_for(self.channel.channel_ready(), timeout)
         except TimeoutError:
-            raise ClientError(grpc.StatusCode.UNAVAILABLE, f"no jaxcpp server reachable at {self.target} "
-                              f"within {timeout:g}s") from None
+            raise _unreachable(self.target, timeout) from None
 
     async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                      **sampling: Any) -> AsyncIterator[Delta]:

@@ -534,8 +534,10 @@ class Server:
                 self.http.close()  # /health answers 503 at once, new requests too
             await asyncio.sleep(announce)
             self.servicer.close()
-            # gRPC refuses new calls from now on and cancels what is left after the grace + a flush
-            stopping = asyncio.ensure_future(self._server.stop(grace - announce + _ABORT_FLUSH_S)) \
+            # gRPC refuses new calls from now on and cancels what is left after the grace + a flush (of
+            # the ABORT messages; before there is an engine no call of ours can be waiting for one)
+            flush = _ABORT_FLUSH_S if self.engine_loop is not None else 0.0
+            stopping = asyncio.ensure_future(self._server.stop(grace - announce + flush)) \
                 if self._server is not None else None
             if not await self._drained(grace - announce) and self.engine_loop is not None:
                 log.info("grace period over: aborting %d calls still running", self.num_in_flight)

@@ -57,3 +57,47 @@ def test_serving_numbers_live_in_benchmarks_only() -> None:
     assert not re.search(r"\d+(\.\d+)? ?ms/token", serving), "serving.md quotes a per-token time"
     assert "benchmarks.md#serving-over-grpc" in serving
     assert "## Serving over gRPC" in (REPO / "docs" / "benchmarks.md").read_text()
+
+
+def code_block_lines(text: str) -> list[str]:
+    """Lines of fenced (```) and indented (4 spaces after a blank line) code blocks."""
+    lines, fenced, indented, previous = [], False, False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced:
+            lines.append(line)
+        else:
+            indented = line.startswith("    ") and (indented or not previous.strip())
+            if indented:
+                lines.append(line)
+        previous = line
+    return lines
+
+
+BARE_COMMAND = re.compile(r"(?:^|&&|\||;)\s*(?:\$\s+)?(?:\w+=\S+\s+)*jaxcpp\s+(?:serve|client|generate|chunk-plan)\b")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_commands_are_spelled_as_the_readme_spells_them(doc: Path) -> None:
+    """`.venv/bin/jaxcpp ...` runs from a checkout as it is; README.md says once how to put it on PATH."""
+    bare = [line.strip() for line in code_block_lines(doc.read_text()) if BARE_COMMAND.search(line)]
+    assert bare == [], f"{doc.name}: commands spelled `jaxcpp ...` instead of `.venv/bin/jaxcpp ...`: {bare}"
+
+
+def test_readme_says_how_to_put_the_command_on_path() -> None:
+    text = (REPO / "README.md").read_text()
+    assert "source .venv/bin/activate" in text and ".venv/bin/jaxcpp" in text
+
+
+def test_deploy_status_names_only_flags_serve_has_and_calls_none_missing() -> None:
+    import argparse
+
+    from jaxcpp.serving.cli import build_parser
+
+    status = (REPO / "docs" / "deploy.md").read_text().split("**Status.**", 1)[1].split("\n\n", 1)[0]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve_flags = {o for a in sub.choices["serve"]._actions for o in a.option_strings}
+    named = set(re.findall(r"`(--[a-z-]+)`", status))
+    assert named and named <= serve_flags, named - serve_flags
+    assert not re.search(r"not have|do(es)? not exist|expected failure", status), status

@@ -11,11 +11,11 @@
 # brings cuDNN, cuBLAS and NCCL as wheels, so the base is a plain Python image. See docs/deploy.md.
 #
 # JAX_VERSION must lie in pyproject.toml's jax range (tests/deploy/test_docker.py checks it).
-ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+ARG PYTHON_VERSION=3.12.11
 ARG JAX_VERSION=0.10.2
 
 # -- build: a virtual environment with the dependencies (a cached layer), then the package ------------------
-FROM ${PYTHON_IMAGE} AS build
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
 ARG JAX_VERSION
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
@@ -38,7 +38,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && python3 -c "import jaxcpp.serving.cli, jaxcpp.models.checkpoint as c; assert c.BUNDLED_MODELS['tiny'].is_dir()"
 
 # -- runtime: the same Python base, the venv, a non-root user -----------------------------------------------
-FROM ${PYTHON_IMAGE} AS runtime
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 ARG JAX_VERSION
 LABEL org.opencontainers.image.title="jaxcpp (CUDA)" \
       org.opencontainers.image.description="JAX/XLA pipeline-parallel LLM inference server, CUDA build" \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import jax
 
@@ -25,9 +26,18 @@ from jaxcpp.sizing import EngineSizing
 log = logging.getLogger(__name__)
 
 
+def compilation_cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
+    """Where the persistent XLA cache lives: `JAXCPP_COMPILATION_CACHE_DIR` (empty: no cache), else
+    `$XDG_CACHE_HOME/jaxcpp/xla`, else `~/.cache/jaxcpp/xla` (the XDG default)."""
+    if "JAXCPP_COMPILATION_CACHE_DIR" in env:
+        return env["JAXCPP_COMPILATION_CACHE_DIR"] or None
+    cache_home = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "jaxcpp", "xla")
+
+
 def enable_compilation_cache() -> None:
     """A persistent XLA cache makes restarts (and repeated test engines) skip compiles."""
-    path = os.environ.get("JAXCPP_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxcpp/xla"))
+    path = compilation_cache_dir()
     if path and not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -74,7 +74,7 @@ class PipelineExecutor:
         """Compile every stage's program for every bucket, `COMPILE_THREADS` buckets at a time, then run
         each bucket once through the whole pipe (the transfers between stages, the host reads)."""
         self._shape = shape
-        buckets = shape.token_buckets
+        buckets = shape.buckets
         threads = min(COMPILE_THREADS, len(buckets))
         log.info("compiling %d programs on %d stage(s), one per token bucket %s, %d at a time ...",
                  len(buckets), len(self.stages), buckets, threads)

@@ -314,7 +314,7 @@ class StageWorker:
 
         from jaxcpp.runtime.pipeline import COMPILE_THREADS
 
-        buckets = self.shape.token_buckets
+        buckets = self.shape.buckets
 
         def compile_bucket(num_tokens: int) -> tuple[int, float]:
             t0 = time.perf_counter()

@@ -110,12 +110,14 @@ class StandInStage:
             return jax.device_put(step.token_ids, self.replicated)
         tokens = np.zeros(self.max_num_seqs, np.int32)
         tokens[: step.kv_lens.shape[0]] = fake_tokens(step) % self.vocab_size
-        logprobs = FakeExecutor.one_hot_logprobs(tokens, tokens, self.vocab_size)
-        sampled = SampledTokens(*(jax.device_put(a, self.replicated) for a in (tokens, *logprobs)))
+        lp = FakeExecutor.one_hot_logprobs(tokens, tokens, self.vocab_size)
+        arrays = (tokens, lp.logprobs, lp.top_ids, lp.top_logprobs)
+        sampled = SampledTokens(*(jax.device_put(a, self.replicated) for a in arrays))
         return StepOutput(sampled, OneHotLogits(tokens, self.vocab_size), step, batch)  # type: ignore[arg-type]
 
     def run_prompt_logprobs(self, out: StepOutput) -> Any:
         """Every prompt token's log-probability under the fake's one-hot logits, as the fake executor has it."""
         step: Any = out.hidden  # the stand-in keeps the resolved step where a stage keeps its activations
         predicted = next_tokens(step) % self.vocab_size
-        return FakeExecutor.one_hot_logprobs(predicted, step.prompt_targets, self.vocab_size)
+        lp = FakeExecutor.one_hot_logprobs(predicted, step.prompt_targets, self.vocab_size)
+        return lp.logprobs, lp.top_ids, lp.top_logprobs

@@ -3,7 +3,8 @@
 One row (thread) per stage, one complete event ("ph": "X") per micro-batch and stage spanning its
 forward (see `jaxcpp.runtime.timing`), so the pipeline and its bubbles are the gaps between boxes.
 Below them a "host" row holds the engine loop's phases of every step (schedule, build, dispatch,
-wait, postprocess; `jaxcpp.executor.HostPhase`), so a reader sees which gaps the host caused.
+wait, postprocess; `jaxcpp.executor.HostPhase`) and the garbage collector's pauses ("gc"), so a
+reader sees which gaps the host caused.
 Open the file in https://ui.perfetto.dev or chrome://tracing.
 
 Events are streamed as the watcher threads produce them, in the JSON Array Format, whose closing `]`

@@ -35,7 +35,7 @@ def plot_timelines(results: Mapping[str, SimResult], path: str | Path, title: st
         ax.set_yticks(range(stages), [f"stage {s}" for s in range(stages)])
         ax.set_ylim(stages - 0.5, -1.6)  # inverted: stage 0 on top, chunk sizes above it
         ax.set_xlabel("time (s)")
-        ax.set_title(f"{name}: TTFT {result.mean_ttft:.4g} s, {len(result.spans) // stages} chunks",
+        ax.set_title(f"{name}: TTFT {result.mean_ttft:.6g} s, {len(result.spans) // stages} chunks",  # as the table
                      fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)

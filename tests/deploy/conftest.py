@@ -21,8 +21,8 @@ MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 LWS_SCHEMA = DEPLOY / "kubernetes" / "schemas" / "leaderworkerset-v1.openapi.yaml"
 LWS_KIND = "LeaderWorkerSet"
 
-# The stage-process flags of issue 10 ("Stage processes and multi-host pipelines"), used by the
-# multi-host manifests before `jaxcpp serve` has them.
+# The stage-process flags the multi-host manifests add; `jaxcpp serve` has them, and test_flags.py
+# checks them in its parser like every other flag.
 ISSUE_10_FLAGS = frozenset({"--distributed-executor-backend", "--coordinator-address", "--num-processes",
                             "--process-id"})
 # What LeaderWorkerSet puts in every container's environment, with values like a real group's.

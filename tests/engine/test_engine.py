@@ -51,6 +51,7 @@ def test_bad_request_names_field_and_engine_keeps_serving(llm, prompt, params, f
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=1e308), "temperature"),  # finite in Python, infinite as the device's float32
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):

@@ -37,10 +37,13 @@ def test_unknown_backend_names_the_flag():
 
 
 @pytest.mark.parametrize(
-    ("platform_version", "rocm"), [("rocm 6.3.1", True), ("cuda 12.8", False)]
+    ("platform", "platform_version", "rocm"),
+    [("gpu", "rocm 6.3.1", True),   # told by the client's version string
+     ("rocm", "", True),            # told by the device's platform, as ROCm builds of jaxlib name it
+     ("gpu", "cuda 12.8", False)],
 )
-def test_gpu_selects_compiled_pallas_with_vendor_launch(monkeypatch, platform_version, rocm):
-    device = SimpleNamespace(platform="gpu", client=SimpleNamespace(platform_version=platform_version))
+def test_gpu_selects_compiled_pallas_with_vendor_launch(monkeypatch, platform, platform_version, rocm):
+    device = SimpleNamespace(platform=platform, client=SimpleNamespace(platform_version=platform_version))
     monkeypatch.setattr(backend.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(backend.jax, "devices", lambda *a: [device])
     assert backend.is_rocm() is rocm

@@ -100,4 +100,8 @@ def test_stage_params_split_embedding_head_and_layers(tied, fmt, tmp_path):
     q = params["layers"]["self_attn"]["q_proj"]["kernel"]
     np.testing.assert_array_equal(middle["layers"]["self_attn"]["q_proj"]["kernel"], q[1:3])
     specs = param_specs(last, c, 2)
-    assert specs.get("lm_head", P(None, "tp")) == P(None, "tp") and specs["norm"] == P()
+    if tied:  # the head is the embedding, whole on every device of the stage
+        assert "lm_head" not in specs and specs["embed"] == P()
+    else:     # [D, V]: each device holds half the vocabulary's columns
+        assert specs["lm_head"] == P(None, "tp")
+    assert specs["norm"] == P()

@@ -22,13 +22,27 @@ def test_header_and_arrays_round_trip():
         np.testing.assert_array_equal(g, want)
 
 
-def test_a_pickle_is_not_executed():
+class _CreatesAFileWhenUnpickled:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # unpickling calls open(path, "w"): a side effect the test can see
+        return open, (self.path, "w")
+
+
+def test_a_pickle_is_not_executed(tmp_path):
     """A peer that sends a pickle gets a parse error, never its code run (recv only reads JSON + bytes)."""
     import pickle
 
     import pytest
 
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_CreatesAFileWhenUnpickled(str(marker)))
+    pickle.loads(payload).close()  # the control: unpickling this payload does create the file
+    assert marker.exists()
+    marker.unlink()
     a, b = Pipe()
-    a.send_bytes(pickle.dumps({"op": "step"}))
-    with pytest.raises(Exception):  # noqa: B017 - any parse error; the point is that nothing ran
+    a.send_bytes(payload)
+    with pytest.raises(Exception):  # noqa: B017 - any parse error; what matters is that nothing ran
         wire.recv(b)
+    assert not marker.exists(), "recv unpickled what the peer sent"

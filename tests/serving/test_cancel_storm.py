@@ -68,6 +68,10 @@ def test_cancel_storm_leaks_nothing_and_leaves_other_streams_exact(real_server, 
         outputs = asyncio.run(main())
     print("cancel storm:", dict(counts))
     assert sum(counts.values()) == STORM
+    # Every cancellation point was hit as it was meant to be: before the first token while queued or in
+    # its prompt's chunks, after tokens mid-decode and one token before the end.
+    for point in ("queued, no token yet", "prefill, no token yet", "decode, after tokens", "last, after tokens"):
+        assert counts[point] >= 10, (point, dict(counts))
     assert outputs == [e.token_ids for e in expected]
     wait_until(lambda: real_client.stats().engine.num_pages_used == 0 and real_client.stats().num_in_flight == 0,
                timeout=30)

@@ -171,3 +171,58 @@ def test_generate_prompt_token_ids_on_a_model_without_tokenizer(model_without_to
     ids = [int(t) for t in out.out.strip().split(",")]
     assert len(ids) == 4 and all(0 <= t < 64 for t in ids), out.out
     assert "prompt 4 tokens, generated 4" in out.err
+
+
+def test_a_missing_model_is_the_first_and_only_thing_generate_and_serve_say(tmp_path: Path, capsys,
+                                                                              caplog) -> None:
+    missing = str(tmp_path / "no-such-model")
+    for argv in (["generate", "--model", missing, "--prompt", "hi"], ["serve", "--model", missing, "--port", "0"]):
+        caplog.clear()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"jaxcpp {argv[0]}: error: {missing}: neither a bundled model (tiny) "
+                                    "nor an existing folder"], err
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("jaxcpp")] == []  # no dtype line
+
+
+def test_an_empty_model_folder_is_told_it_lacks_config_json_not_a_tokenizer(tmp_path: Path, capsys) -> None:
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "tokenizer" not in err, err
+
+
+def test_generate_refuses_a_too_long_prompt_before_loading(capsys, monkeypatch) -> None:
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("generate loaded the model before checking the prompt's length")
+
+    monkeypatch.setattr("jaxcpp.LLM.from_config", must_not_load)
+    assert main(["generate", "--prompt", "x" * 300, "--max-model-len", "256"]) == 2
+    assert "prompt: has 300 tokens, more than --max-model-len 256" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x" * 200, "--max-model-len", "256", "--max-tokens", "100"]) == 2
+    assert "max_tokens: prompt (200 tokens) + max_tokens (100) exceeds" in capsys.readouterr().err
+
+
+def test_client_without_the_key_is_told_where_the_key_comes_from(serve, capsys, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    monkeypatch.delenv("JAXCPP_API_KEY", raising=False)
+    server = serve(fake_engine(), api_key="s3cret")
+    target = ["--target", f"127.0.0.1:{server.port}", "--max-tokens", "2"]
+    assert main(["client", "hi", *target]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jaxcpp client: UNAUTHENTICATED: ") and "--api-key-file PATH" in err \
+        and "JAXCPP_API_KEY" in err, err
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    assert main(["client", "hi", *target, "--api-key-file", str(key_file)]) == 0
+    monkeypatch.setenv("JAXCPP_API_KEY", "s3cret")
+    assert main(["client", "hi", *target]) == 0
+
+
+def test_client_on_a_dead_address_says_nothing_listens_there(capsys) -> None:
+    from tests.serving.test_client_errors import dead_target
+
+    target = dead_target()
+    assert main(["client", "hi", "--target", target]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxcpp client: UNAVAILABLE: no jaxcpp server reachable at {target} within 1s ("), err
+    assert "Connection refused" in err  # gRPC's cause follows the sentence

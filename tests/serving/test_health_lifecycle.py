@@ -4,6 +4,7 @@ NOT_SERVING again as soon as a drain starts, while the calls in flight finish.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -20,7 +21,7 @@ import pytest
 
 from jaxcpp.config import ServerConfig
 from jaxcpp.engine import LLMEngine
-from jaxcpp.serving import Client
+from jaxcpp.serving import AsyncClient, Client
 from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
 from tests.serving.conftest import MODEL, wait_until
 from tests.serving.fakes import FAKE_ENGINE_FLAGS, fake_engine
@@ -66,6 +67,35 @@ def test_not_serving_while_the_engine_builds_then_serving(warming_server) -> Non
         out = client.generate("abc", max_tokens=3, temperature=0)
         assert out.num_generated_tokens == 3
         assert client.model_info().max_model_len == FAKE_ENGINE_FLAGS["max_model_len"]
+
+
+def test_wait_ready_returns_only_once_the_server_is_serving(warming_server) -> None:
+    """A script that calls wait_ready() and then generate() must not meet "warming up"."""
+    factory = SlowFactory()
+    built = warming_server.build_engine(factory)
+    assert factory.started.wait(10)
+    with Client(f"127.0.0.1:{warming_server.port}", api_key="k", timeout=10) as client:
+        client.wait_connected(timeout=5)  # the channel is up: what wait_ready used to wait for
+        with pytest.raises(grpc.RpcError) as err:
+            client.wait_ready(timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "not ready within 0.5s: its health is NOT_SERVING" in err.value.details()
+        assert_async_wait_ready_times_out(warming_server.port)
+        threading.Timer(0.5, factory.release.set).start()
+        client.wait_ready(timeout=10)
+        assert built.result(timeout=10) is None
+        assert client.generate("abc", max_tokens=2, temperature=0).num_generated_tokens == 2
+
+
+def assert_async_wait_ready_times_out(port: int) -> None:
+    async def main() -> None:
+        async with AsyncClient(f"127.0.0.1:{port}", timeout=10) as client:
+            await client.wait_connected(timeout=5)
+            with pytest.raises(grpc.RpcError) as err:
+                await client.wait_ready(timeout=0.5)
+            assert "its health is NOT_SERVING" in err.value.details()
+
+    asyncio.run(main())
 
 
 def test_the_api_key_is_checked_before_the_warm_up_answer(warming_server) -> None:
@@ -160,13 +190,49 @@ def test_jaxcpp_serve_answers_not_serving_during_the_compile_then_serving(tmp_pa
         assert proc.wait(timeout=60) == 0
 
 
+PROMPT_EXIT_S = 2.0  # an orchestrator's grace period must not run out while a warm-up winds down
+
+
+def _wait_for_line(log: Path, proc: subprocess.Popen, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.01)
+
+
+def _seconds_to_exit_after_sigterm(proc: subprocess.Popen, log: Path) -> float:
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running 60 s after SIGTERM:\n{log.read_text()}") from None
+    assert code == 0, log.read_text()
+    return time.monotonic() - sent
+
+
 @pytest.mark.slow
 def test_sigterm_during_warm_up_exits_0(tmp_path) -> None:
     with _serve_process(tmp_path) as (proc, client, log):
-        deadline = time.monotonic() + 120
-        while "listening on" not in log.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            time.sleep(0.02)
+        _wait_for_line(log, proc, "listening on")  # loading the weights
         assert client.health() == "NOT_SERVING"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert _seconds_to_exit_after_sigterm(proc, log) < PROMPT_EXIT_S
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_middle_of_compiling_every_bucket_exits_0_at_once(tmp_path) -> None:
+    """25 programs on a cold compile cache take a minute here: a stop must not wait for them."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [*_serve_cmd(port)[:-2], "--log-level", "info", "--max-num-batched-tokens", "2048"]
+    env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
+    try:
+        _wait_for_line(log, proc, "compiled bucket 1/")
+        assert "engine ready" not in log.read_text()
+        assert _seconds_to_exit_after_sigterm(proc, log) < PROMPT_EXIT_S
+        assert "stopped during warm-up" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

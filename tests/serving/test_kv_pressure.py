@@ -17,7 +17,7 @@ from tests.serving.conftest import MODEL, wait_until
 
 pytestmark = pytest.mark.slow
 
-NUM_PAGES, BLOCK = 24, 16
+NUM_PAGES, PAGE = 24, 16
 PROMPTS = [f"# task {i}\ndef solve_{i}(data):\n    " for i in range(8)]
 MAX_TOKENS = 100
 
@@ -26,10 +26,10 @@ def test_three_times_the_kv_pages_finishes_with_preemptions_and_exact_outputs() 
     from jaxcpp import LLM
 
     llm = LLM(model=MODEL, dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
-              num_pages=NUM_PAGES, block_size=BLOCK, log_stats_interval_s=0)
+              num_pages=NUM_PAGES, page_size=PAGE, log_stats_interval_s=0)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     alone = [llm.generate([p], params)[0] for p in PROMPTS]  # one at a time: never short of pages
-    needed = sum(math.ceil((len(o.prompt_token_ids) + MAX_TOKENS) / BLOCK) for o in alone)
+    needed = sum(math.ceil((len(o.prompt_token_ids) + MAX_TOKENS) / PAGE) for o in alone)
     assert needed >= 3 * NUM_PAGES, needed
     preemptions_before = llm.engine.stats().num_preemptions_total
 

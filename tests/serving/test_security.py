@@ -113,12 +113,13 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True)
 
 
-def _ca_and_leaf(tmp_path: Path, name: str, cn: str) -> tuple[Path, Path, Path]:
-    """A CA and a certificate it signed for `cn` (also valid for localhost/127.0.0.1)."""
+def _ca_and_leaf(tmp_path: Path, name: str, cn: str,
+                 names: str = "DNS:localhost,IP:127.0.0.1") -> tuple[Path, Path, Path]:
+    """A CA and a certificate it signed for `cn`, valid for `names` (subjectAltName)."""
     ca_key, ca = tmp_path / f"{name}-ca.key", tmp_path / f"{name}-ca.pem"
     key, csr, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.csr", tmp_path / f"{name}.pem"
     ext = tmp_path / f"{name}.ext"
-    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    ext.write_text(f"subjectAltName={names}\n")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name} CA",
              "-keyout", str(ca_key), "-out", str(ca))
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", str(key),
@@ -155,6 +156,24 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(serve, tmp_path: P
             with pytest.raises(grpc.RpcError) as err:
                 bad.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_client_tls_ca_and_server_name(serve, tmp_path: Path, capsys) -> None:
+    """`jaxcpp client --tls-ca` trusts that CA; `--server-name` verifies the name the certificate carries
+    when it is not the target's host (here: a certificate for jaxcpp.internal, reached at 127.0.0.1)."""
+    from jaxcpp.serving.cli import main
+
+    ca, cert, key = _ca_and_leaf(tmp_path, "server", "jaxcpp.internal", names="DNS:jaxcpp.internal")
+    server = serve(fake_engine(), tls_cert=str(cert), tls_key=str(key))
+    base = ["client", "--health", "--target", f"127.0.0.1:{server.port}", "--timeout", "10"]
+    assert main([*base, "--tls-ca", str(ca), "--server-name", "jaxcpp.internal"]) == 0
+    assert capsys.readouterr().out.strip() == "SERVING"
+    assert main([*base, "--tls-ca", str(ca)]) == 1  # 127.0.0.1 is not a name the certificate carries
+    other_ca, _, _ = _ca_and_leaf(tmp_path, "other", "jaxcpp.internal", names="DNS:jaxcpp.internal")
+    assert main([*base, "--tls-ca", str(other_ca), "--server-name", "jaxcpp.internal"]) == 1  # not its CA
+    assert main(base) == 1  # plaintext against a TLS port
+    assert "UNAVAILABLE" in capsys.readouterr().err
 
 
 def test_reflection_can_be_turned_off(serve) -> None:

@@ -49,6 +49,31 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # matplotlib's import is most of it
+def test_the_plot_shows_the_tables_ttft_and_says_where_it_went(tmp_path, capsys, monkeypatch):
+    """The README's example: the optimal plan's uneven chunks once put 7.878 s in the plot's title
+    beside 7.8716 in the table."""
+    import matplotlib.axes
+
+    titles: list[str] = []
+    set_title = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **kw: (titles.append(label), set_title(self, label, *a, **kw))[1])
+    out = tmp_path / "timeline.png"
+    argv = BASE + ["--coeffs", "2.9e-10,5.365e-6,0.02,4.727e-7", "--dynamic-chunking-policy", "optimal"]
+    assert cli.main(argv + ["--json", "--plot", str(out)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout stays JSON: the note goes to stderr
+    assert captured.err.strip() == f"chunk-plan: wrote the timelines of fixed 32768 and optimal to {out}"
+    for plan in report["plans"][:2]:
+        title = next(t for t in titles if t.startswith(plan["name"] + ":"))
+        assert f"TTFT {plan['ttft']:.6g} s" in title, (title, plan["ttft"])
+    assert cli.main(argv) == 0
+    table = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("optimal", "fixed 32768"))}
+    assert f"{report['plans'][0]['ttft']:.6g}" == table["optimal"][3]
+
+
 def test_bad_input_is_a_clear_error(capsys):
     assert cli.main(BASE + ["--coeffs", "1,2,3"]) == 2
     assert "four numbers" in capsys.readouterr().err
