@@ -83,9 +83,9 @@ class PipelineExecutor:
             for i, (num_tokens, seconds) in enumerate(pool.map(self._compile_bucket, buckets), 1):
                 log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets),
                          len(self.stages), num_tokens, seconds)
-        for num_tokens in buckets:
+        for num_tokens in buckets:  # decode-only rungs carry no prompt token to score
             self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True,
-                                     want_logprobs=True, want_prompt_logprobs=True))
+                                     want_logprobs=True, want_prompt_logprobs=num_tokens in shape.token_buckets))
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
         return time.perf_counter() - start

@@ -194,7 +194,9 @@ class Stage:
         if not self.is_last:
             return
         sampling, hidden = lowered.out_info[0]
-        self._prompt_logprobs.lower(self.params, hidden, self._aval(buf.shape, buf.dtype), layout=layout).compile()
+        if num_tokens in shape.token_buckets:  # a decode-only rung carries no prompt token to score
+            self._prompt_logprobs.lower(self.params, hidden, self._aval(buf.shape, buf.dtype),
+                                        layout=layout).compile()
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
                 for history in (None, self.history):  # the plain and the full sampler program
