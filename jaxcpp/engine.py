@@ -186,9 +186,9 @@ class LLMEngine:
                                               want_logprobs=sched.wants_logprobs,
                                               want_prompt_logprobs=sched.wants_prompt_logprobs)
         except ExecutorError:
-            self._in_flight.append((sched, -1), sched.samples)  # never submitted: fails with those in flight
+            self._in_flight.append((sched, -1), sched.num_decodes > 0)  # never submitted: fails with those in flight
             raise
-        self._in_flight.append((sched, ticket), sched.samples)
+        self._in_flight.append((sched, ticket), sched.num_decodes > 0)
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True

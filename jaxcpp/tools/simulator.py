@@ -197,7 +197,7 @@ def simulate(pipeline: Pipeline, policy: ChunkSizer, budget: int,
             result.spans.append(StageSpan(batch, stage, start, stage_free[stage], named))
             arrive = stage_free[stage] + pipeline.hop_s + pipeline.hop_s_per_token * tokens
         done = stage_free[-1]
-        in_flight.append(done, any(e.scheduled == e.request.prompt_len for e, _, _ in pieces))
+        in_flight.append(done, False)  # prompt chunks only: no decode in flight
         measured = max(weights) * forward * (1.0 + timing_noise * rng.uniform(-1.0, 1.0))
         entry, prefix, size = pieces[0]
         policy.record_timing(size, prefix, measured, len(pieces) == 1, entry.request.request_id)

@@ -1,5 +1,5 @@
 """How many steps the engine keeps in flight (`jaxcpp.in_flight`): the pipeline's depth for steps that
-sample, twice that while only middle prompt chunks are in flight; the engine never exceeds it."""
+carry decodes, twice that while only prompt chunks are in flight; the engine never exceeds it."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from jaxcpp.in_flight import InFlight
 from jaxcpp.sampling_params import SamplingParams
 
 
-def test_depth_for_sampling_steps_twice_that_for_middle_chunks():
+def test_depth_for_decode_steps_twice_that_for_prompt_chunks():
     q: InFlight[int] = InFlight(3)
     for i in range(3):
         assert q.has_room()
-        q.append(i, samples=False)
-    assert q.has_room(), "middle prompt chunks may go deeper than the depth"
+        q.append(i, decodes=False)
+    assert q.has_room(), "prompt chunks may go deeper than the depth"
     for i in range(3, 6):
-        q.append(i, samples=False)
+        q.append(i, decodes=False)
     assert not q.has_room() and len(q) == 6
     assert q.popleft() == 0 and q.has_room()
-    q.append(6, samples=True)  # a prompt's last chunk: no deeper than the depth until it is collected
+    q.append(6, decodes=True)  # a step with a decode: no deeper than the depth until it is collected
     assert not q.has_room()
     while len(q) > 3:
         q.popleft()
@@ -35,15 +35,20 @@ def test_depth_for_sampling_steps_twice_that_for_middle_chunks():
 
 
 class CountingFake(FakeExecutor):
-    """Records, at each submit, how many steps were in flight and whether one of them samples."""
+    """Records, at each submit, how many steps were in flight, whether one of them carries a decode and
+    whether one of them samples (a prompt's last chunk or a decode)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.seen: list[tuple[int, int]] = []
+        self.seen: list[tuple[int, bool, bool]] = []
+        self.decodes: dict[int, bool] = {}
 
     def submit(self, step, *, want_tokens=True, **kw):
-        self.seen.append((len(self._pending), any(r.tokens is not None for _, r, _, _ in self._pending)))
-        return super().submit(step, want_tokens=want_tokens, **kw)
+        self.seen.append((len(self._pending), any(self.decodes[t] for t, _, _, _ in self._pending),
+                          any(r.tokens is not None for _, r, _, _ in self._pending)))
+        ticket = super().submit(step, want_tokens=want_tokens, **kw)
+        self.decodes[ticket] = int(step.num_decodes) > 0
+        return ticket
 
 
 def engine_on(fake: FakeExecutor, *, dynamic: bool, async_scheduling: bool = True) -> LLMEngine:
@@ -67,12 +72,30 @@ def test_a_lone_prompt_runs_deeper_than_the_depth_and_decodes_do_not(dynamic, as
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler.chunk_sizer.needs_ack == dynamic
-    assert max(n for n, _ in fake.seen) == 2 * depth - 1, "middle chunks fill twice the depth"
-    assert all(n < depth for n, sampling in fake.seen if sampling), "no deeper while a step samples"
+    assert max(n for n, _, _ in fake.seen) == 2 * depth - 1, "prompt chunks fill twice the depth"
+    assert all(n < depth for n, decoding, _ in fake.seen if decoding), "no deeper while a step decodes"
     fake.seen.clear()
     for i in range(4):
         engine.add_request(f"d{i}", [7 + i] * 20, SamplingParams(max_tokens=12, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
-    assert max(n for n, _ in fake.seen) < depth, "steps that sample keep to the depth"
+    assert max(n for n, _, _ in fake.seen) < depth, "steps that decode keep to the depth"
     assert engine.stats().num_pages_used == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prompts_last_chunk_in_flight_does_not_hold_back_the_next_prompts_chunks(async_scheduling):
+    """Two concurrent prompts: while the first one's last chunk (it samples) is in the pipe, the second
+    one's chunks still go past the depth; the first token of each is exact."""
+    fake = CountingFake(num_stages=2, latency=LatencyModel(a=2e-7, b=1e-4, c=2e-3, gamma=1e-6))
+    engine = engine_on(fake, dynamic=False, async_scheduling=async_scheduling)
+    depth = 2 + async_scheduling
+    for name, token in (("a", 5), ("b", 6)):
+        engine.add_request(name, [token] * 1000, SamplingParams(max_tokens=1, temperature=0.0))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert any(n >= depth and sampling and not decoding for n, decoding, sampling in fake.seen)
+    assert max(n for n, _, _ in fake.seen) == 2 * depth - 1
+    expected = {k: [fake.next_token(t, 999, 0)] for k, t in (("a", 5), ("b", 6))}
+    assert {k: o.token_ids for k, o in outputs.items()} == expected
