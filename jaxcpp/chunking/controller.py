@@ -87,6 +87,7 @@ class DynamicChunkController:
         self.max_model_len = max_model_len
         self.model: LatencyModel | None = None
         self.gate = SolePrefillGate()
+        self._num_prefill_sources = 1  # this step's, as last observed
         self.calibrator = RuntimeCalibrator(settings.budget)
         self.quarter_base = snap_down(max(settings.budget // 4, settings.min_chunk_size), settings)
         self._bases: dict[Hashable, int] = {}      # calibrating: the base chunk kept for a whole prompt
@@ -144,6 +145,7 @@ class DynamicChunkController:
     # ----- per step ---------------------------------------------------------------------------------
     def observe_step(self, num_prefill_sources: int) -> None:
         self.gate.observe(num_prefill_sources)
+        self._num_prefill_sources = num_prefill_sources
         self._planned_this_step = False
         if self.state == ChunkingState.CALIBRATING:
             self.calibrator.tick()
@@ -284,7 +286,8 @@ class DynamicChunkController:
             return min(choice.size, prompt_len - done)
         plan = self._plans.get(request_id)
         if plan is None or done not in plan:  # new prompt, or the budget cut a planned chunk: replan
-            chunks = plan_optimal(self.model, prompt_len, self.settings, start=done)
+            chunks = plan_optimal(self.model, prompt_len, self.settings, start=done,
+                                  queued=max(self._num_prefill_sources - 1, 0))
             starts = [done + sum(chunks[:i]) for i in range(len(chunks))]
             plan = self._plans[request_id] = dict(zip(starts, chunks, strict=True))
         self._counts["model"] += 1

@@ -135,12 +135,17 @@ def fixed_plans(prompt_len: int, start: int, sizes: np.ndarray) -> np.ndarray:
     return np.clip(todo - done_before, 0, sizes[:, None]).astype(np.int64)
 
 
-def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start: int = 0) -> np.ndarray:
-    """Predicted makespan of each row of a zero-padded plan matrix."""
-    return makespan(chunk_times(model, plans, start), settings.pipeline_parallel_size, settings.stage_weights)
+def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start: int = 0,
+          queued: int = 0) -> np.ndarray:
+    """Predicted makespan of each row of a zero-padded plan matrix, plus, with `queued` prompts waiting
+    behind this one, the time the plan holds stage 0 once for each of them."""
+    times = chunk_times(model, plans, start)
+    held = times.sum(axis=1) * max(settings.stage_weights or (1.0,))
+    return makespan(times, settings.pipeline_parallel_size, settings.stage_weights) + queued * held
 
 
-def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, start: int = 0) -> list[int]:
+def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, start: int = 0,
+                 queued: int = 0) -> list[int]:
     """The chunk plan for tokens start..prompt_len that minimises the predicted makespan."""
     todo = prompt_len - start
     sizes = planner_sizes(settings)
@@ -162,6 +167,6 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
                   fill_back(model, prompt_len, start, sizes, taus)]
     # Scored group by group: a group's width is its longest plan, so no group pays for another's.
     scored = [(float(s.min()), group[int(np.argmin(s))]) for group in candidates if len(group)
-              for s in [score(model, group, settings, start)]]
+              for s in [score(model, group, settings, start, queued)]]
     best = min(scored, key=lambda item: item[0])[1]  # min() keeps the first of equals: fixed before others
     return [int(v) for v in best if v > 0]

@@ -6,6 +6,7 @@ import pytest
 
 from jaxcpp.chunking.controller import DynamicChunkController, format_report
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.optimal import plan_optimal
 from jaxcpp.chunking.planner import ChunkSettings
 from jaxcpp.config import EngineConfig
 
@@ -90,22 +91,26 @@ def test_optimal_policy_follows_its_plan_and_replans_when_the_budget_cuts_it():
 
 def test_optimal_prefills_long_prompts_one_at_a_time_in_their_own_plans():
     """With other prefills queued, `optimal` gives the step's planned chunk to the first prompt asked
-    (the oldest); a later long prompt waits its turn (0), a short one that fits whole joins the step."""
+    (the oldest); a later long prompt waits its turn (0), a short one that fits whole joins the step.
+    The oldest plans with the prompts behind it in mind (its chunks hold stage 0 once for each of
+    them): fewer, larger chunks than alone; the next one, alone by then, plans as a lone prompt."""
     ctl = DynamicChunkController(SETTINGS, policy="optimal", model=TRUE)
     alone = prefill_alone(ctl, "alone", 131072)
+    ahead = plan_optimal(TRUE, 131072, SETTINGS, queued=2)
+    assert ahead[0] > alone[0] and len(ahead) < len(alone) and sum(ahead) == sum(alone) == 131072
     ctl.observe_step(3)  # three prompts could prefill: the sole-prefill gate is closed
-    assert ctl.chunk_size_for("a", 131072, 0, 32768) == alone[0]
-    assert ctl.chunk_size_for("b", 131072, 0, 32768 - alone[0]) == 0
-    assert ctl.chunk_size_for("c", 1000, 0, 32768 - alone[0]) == 1000
-    done = alone[0]
-    for planned in alone[1:]:  # "a" keeps its own plan while "b" waits
+    assert ctl.chunk_size_for("a", 131072, 0, 32768) == ahead[0]
+    assert ctl.chunk_size_for("b", 131072, 0, 32768 - ahead[0]) == 0
+    assert ctl.chunk_size_for("c", 500, 0, 32768 - ahead[0]) == 500
+    done = ahead[0]
+    for planned in ahead[1:]:  # "a" keeps its plan while "b" waits
         ctl.observe_step(2)
         assert ctl.chunk_size_for("a", 131072, done, 32768) == planned
         assert ctl.chunk_size_for("b", 131072, 0, 32768 - planned) == 0
         done += planned
     ctl.finish_request("a")
     ctl.observe_step(1)
-    assert ctl.chunk_size_for("b", 131072, 0, 32768) == alone[0]  # now b's turn, from its own plan
+    assert ctl.chunk_size_for("b", 131072, 0, 32768) == alone[0]  # now b's turn, alone: a lone plan
     assert ctl.report_counts()["fixed_concurrent"] == 0
 
 
