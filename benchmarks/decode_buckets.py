@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_buckets.py [--workload mixed] [--max-num-batched-tokens 512] [--repeat 3]
 
-One engine has the decode-only rungs (8, 16, 32: `jaxcpp.buckets.decode_buckets`), the other is built
+One engine has the decode-only rungs (8, 16, 32: `jaxcpp.core.buckets.decode_buckets`), the other is built
 with none, as before they existed; everything else is the same code. Each run is timed end to end,
 and every step's device time comes from the executor's per-stage watchers (`StageTiming`). Decode-only
 steps are grouped by how many sequences they carried (1-8, 9-16, 17-32, 33-64: the rung each takes),
@@ -23,7 +23,7 @@ BANDS = ((8, "1-8"), (16, "9-16"), (32, "17-32"), (64, "33-64"))
 
 
 def build(args: argparse.Namespace, rungs: bool, max_model_len: int):  # type: ignore[no-untyped-def]
-    import jaxcpp.sizing as sizing
+    import jaxcpp.core.sizing as sizing
     from jaxcpp import LLM
 
     saved = sizing.decode_buckets

@@ -32,7 +32,7 @@ def build(async_scheduling: bool, args: argparse.Namespace, revision: str | None
     if revision:  # this engine only: the ladder of `revision`
         from baseline import use_ladder_at
 
-        import jaxcpp.sizing as sizing
+        import jaxcpp.core.sizing as sizing
 
         saved = sizing.token_buckets, sizing.decode_buckets
         use_ladder_at(revision)

@@ -152,7 +152,7 @@ def jaxcpp_child(spec: str) -> None:
 
 def price_decode_ladders(run: dict, ladders: list[list[int]], args: argparse.Namespace) -> None:
     """The recorded steps' padding share on the token buckets with each decode-only ladder."""
-    from jaxcpp.buckets import padding_share, token_buckets
+    from jaxcpp.core.buckets import padding_share, token_buckets
 
     real = [n for n, _, _ in run["step_tokens"]]
     decode_only = [d for _, _, d in run["step_tokens"]]

@@ -30,13 +30,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxcpp.config import EngineConfig  # noqa: E402
+from jaxcpp.core.sizing import EngineSizing  # noqa: E402
+from jaxcpp.core.step_input import padding_step  # noqa: E402
 from jaxcpp.models.checkpoint import save_hf  # noqa: E402
 from jaxcpp.models.config import LlamaConfig  # noqa: E402
 from jaxcpp.models.llama import init_params  # noqa: E402
 from jaxcpp.models.spec import resolve_model_spec  # noqa: E402
 from jaxcpp.runtime.factory import build_executor  # noqa: E402
-from jaxcpp.sizing import EngineSizing  # noqa: E402
-from jaxcpp.step_input import padding_step  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]
 WARM = 20

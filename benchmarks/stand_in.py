@@ -163,9 +163,9 @@ def plot(llm, row: dict, model, pp: int, args: argparse.Namespace) -> None:  # t
 
 
 def concurrency_rows(args: argparse.Namespace, pp: int) -> list[dict]:
-    from jaxcpp.buckets import token_buckets
     from jaxcpp.chunking.controller import DynamicChunkController
     from jaxcpp.chunking.planner import ChunkSettings
+    from jaxcpp.core.buckets import token_buckets
     from jaxcpp.tools.simulator import FixedPolicy, Pipeline, SimRequest, simulate
 
     n, levels, rows = args.lens[0], (2, 4, 8), []

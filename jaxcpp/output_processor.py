@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxcpp.outputs import RequestOutput, TokenLogprobs
+from jaxcpp.core.outputs import RequestOutput, TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.tokenizer import IncrementalDetokenizer, Tokenizer
 

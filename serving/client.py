@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxcpp.outputs import EngineStats, ModelInfo
+from jaxcpp.core.outputs import EngineStats, ModelInfo
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 

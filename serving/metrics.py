@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxcpp.outputs import EngineStats, RequestOutput
+from jaxcpp.core.outputs import EngineStats, RequestOutput
 
 # Seconds; TTFT spans a decode step on a GPU up to a long CPU prefill.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -48,10 +48,10 @@ from grpc_reflection.v1alpha import reflection
 
 import jaxcpp
 from jaxcpp.config import ServerConfig
+from jaxcpp.core.executor import ExecutorError
+from jaxcpp.core.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import ExecutorError
 from jaxcpp.output_processor import RequestState, SampleDelta, needs_abort
-from jaxcpp.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.chat_template import ChatTemplate, load_chat_template
 from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop, OutputStream

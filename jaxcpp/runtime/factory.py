@@ -1,6 +1,6 @@
 """Build the executor for a planned engine: check devices, load each stage's own layers, place them.
 
-The head has already sized everything (`jaxcpp.sizing.EngineSizing`); this is the device side's half,
+The head has already sized everything (`jaxcpp.core.sizing.EngineSizing`); this is the device side's half,
 the only module the engine imports (lazily) to get a real executor. It also says which dtype `auto`
 means on this backend, since only the device side knows the backend.
 """
@@ -15,13 +15,13 @@ from collections.abc import Mapping
 import jax
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.executor import Executor
+from jaxcpp.core.executor import Executor
+from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.kernels.backend import select_attention
 from jaxcpp.models.checkpoint import load_stage_params
 from jaxcpp.runtime.mesh import make_mesh, stage_mesh
 from jaxcpp.runtime.pipeline import PipelineExecutor
 from jaxcpp.runtime.stage import Stage
-from jaxcpp.sizing import EngineSizing
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def build_executor(config: EngineConfig, sizing: EngineSizing) -> Executor:
     """`--distributed-executor-backend mp`: one process per stage (`MultiProcessExecutor`); otherwise
     P stages in this process (P = 1 is the single-device case). Each stage loads only its layers."""
     if config.parallel.executor_backend == "mp":
-        from jaxcpp.runtime.mp_executor import MultiProcessExecutor
+        from jaxcpp.head.mp_executor import MultiProcessExecutor
 
         return MultiProcessExecutor(config, sizing)
     return build_inproc_executor(config, sizing)

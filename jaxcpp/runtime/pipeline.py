@@ -12,7 +12,7 @@ submission order, and a stage's input is the previous stage's output, so a micro
 in order. On GPUs async dispatch lets stage 0 of batch k+1 run while stage 1 runs batch k (XLA:CPU
 does not overlap devices of one process). Per-stage watcher threads (`jaxcpp.runtime.timing`) time
 every stage of every micro-batch without blocking the loop; `--trace-file` streams those timings as a
-Chrome/Perfetto trace. The contract is `jaxcpp.executor`; see docs/pipeline.md.
+Chrome/Perfetto trace. The contract is `jaxcpp.core.executor`; see docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.head.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput
 from jaxcpp.runtime.timing import DispatchedStage, TimingRecorder
-from jaxcpp.runtime.trace import TraceWriter
-from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
 
 log = logging.getLogger(__name__)
 

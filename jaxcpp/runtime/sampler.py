@@ -15,7 +15,7 @@ One step's sampling (`sample_step`), for each of the W rows the last stage hands
 
 Penalties need each request's history, which the host cannot send every step (W x vocab counts), nor
 know in time (async scheduling feeds tokens back on the device). So the last stage keeps it: `History`,
-a table row (a slot) per request with penalties, kept by the host (`jaxcpp.scheduler`). The prompt's
+a table row (a slot) per request with penalties, kept by the host (`jaxcpp.core.scheduler`). The prompt's
 tokens are added as its chunks pass; the draw adds each sampled token. Rows without a slot (-1) read an
 empty history, for which every penalty is an exact no-op.
 

@@ -17,7 +17,7 @@ How a stage process comes up and runs:
        connect to the previous stage's (discovery through jax.distributed, not a home-made protocol)
     4. tell the head it is ready (with its transfer server's address); until then a message or a
        closed channel from the head means the head gave up: the stage exits instead of waiting for peers
-    5. loop over control messages (`jaxcpp.runtime.wire`), in order:
+    5. loop over control messages (`jaxcpp.head.wire`), in order:
          step      -> put the packed step on its devices, pull the activations of the same micro-batch
                       from stage S-1 (`jax.experimental.transfer`), run, time the model call, then
                       offer its output to stage S+1 (await_pull) or, on the last stage, send tokens
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxcpp.runtime import wire
-from jaxcpp.runtime.cluster import (
+from jaxcpp.head import wire
+from jaxcpp.head.cluster import (
     check_local,
     check_reachable,
     host_port,
@@ -299,8 +299,8 @@ class StageWorker:
     def _put(self, num_tokens: int) -> Any:
         import jax
 
+        from jaxcpp.core.step_input import pack, padding_step
         from jaxcpp.runtime.stage import StageInput
-        from jaxcpp.step_input import pack, padding_step
 
         buf, layout = pack(padding_step(num_tokens, self.shape))
         return StageInput(jax.device_put(buf, self.stage.replicated), layout)
@@ -370,7 +370,7 @@ def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int)
 
 
 def _layout(fields: list[list[Any]]) -> Any:
-    from jaxcpp.step_input import Field
+    from jaxcpp.core.step_input import Field
 
     return tuple(Field(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in fields)
 
@@ -381,9 +381,9 @@ def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> An
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
+    from jaxcpp.core.sizing import EngineSizing
     from jaxcpp.models.spec import resolve_model_spec
     from jaxcpp.runtime.mesh import make_mesh, stage_mesh
-    from jaxcpp.sizing import EngineSizing
 
     config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
     sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))

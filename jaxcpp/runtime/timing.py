@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from jaxcpp.executor import ExecutorError, StageTiming
+from jaxcpp.core.executor import ExecutorError, StageTiming
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.executor import StageTiming
+from jaxcpp.core.executor import StageTiming
 from jaxcpp.tools.simulator import SimResult, StageSpan
 
 

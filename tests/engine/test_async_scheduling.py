@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from jaxcpp.cli_args import add_engine_args, engine_config_from_args
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.sampling_params import SamplingParams
 from tests.engine.kv_fake import KVFakeExecutor
 

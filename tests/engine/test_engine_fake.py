@@ -11,9 +11,9 @@ import pytest
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.executor import ExecutorError, StepResult
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.executor import ExecutorError, StepResult
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

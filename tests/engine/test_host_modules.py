@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from jaxcpp.buckets import pad_to_bucket, token_buckets
-from jaxcpp.page_allocator import PageAllocator
+from jaxcpp.core.buckets import pad_to_bucket, token_buckets
+from jaxcpp.core.page_allocator import PageAllocator
 
 HOST_MODULES = [
-    "jaxcpp", "jaxcpp.config", "jaxcpp.cli_args", "jaxcpp.sampling_params", "jaxcpp.sequence",
-    "jaxcpp.page_allocator", "jaxcpp.scheduler", "jaxcpp.buckets", "jaxcpp.step_input",
-    "jaxcpp.stats_logger", "jaxcpp.tokenizer", "jaxcpp.outputs", "jaxcpp.errors",
-    "jaxcpp.executor", "jaxcpp.fake_executor", "jaxcpp.sizing", "jaxcpp.engine", "jaxcpp.llm",
+    "jaxcpp", "jaxcpp.config", "jaxcpp.cli_args", "jaxcpp.sampling_params", "jaxcpp.core.sequence",
+    "jaxcpp.core.page_allocator", "jaxcpp.core.scheduler", "jaxcpp.core.buckets", "jaxcpp.core.step_input",
+    "jaxcpp.core.stats_logger", "jaxcpp.tokenizer", "jaxcpp.core.outputs", "jaxcpp.errors",
+    "jaxcpp.core.executor", "jaxcpp.core.fake_executor", "jaxcpp.core.sizing", "jaxcpp.core.engine", "jaxcpp.llm",
     "jaxcpp.models.config", "jaxcpp.models.spec",
     "jaxcpp.chunking.latency_model", "jaxcpp.chunking.planner", "jaxcpp.chunking.policy",
     "jaxcpp.chunking.controller",

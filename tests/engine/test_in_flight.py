@@ -1,4 +1,4 @@
-"""How many steps the engine keeps in flight (`jaxcpp.in_flight`): the pipeline's depth for steps that
+"""How many steps the engine keeps in flight (`jaxcpp.core.in_flight`): the pipeline's depth for steps that
 sample, twice that while only middle prompt chunks are in flight; the engine never exceeds it."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
-from jaxcpp.in_flight import InFlight
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.in_flight import InFlight
 from jaxcpp.sampling_params import SamplingParams
 
 

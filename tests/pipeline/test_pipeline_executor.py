@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxcpp import SamplingParams
+from jaxcpp.core.step_input import padding_step
 from jaxcpp.runtime import compile_guard
-from jaxcpp.step_input import padding_step
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def a_step(executor, num_tokens: int = 64):
 
 
 def test_collect_returns_only_what_was_asked(executor, monkeypatch):
-    """How many steps may be in flight is the engine's rule (`jaxcpp.in_flight`), not the executor's."""
+    """How many steps may be in flight is the engine's rule (`jaxcpp.core.in_flight`), not the executor's."""
     step = a_step(executor)
     tickets = [executor.submit(step, want_tokens=False) for _ in range(2 * (executor.max_in_flight + 1))]
     with pytest.raises(ValueError, match="FIFO"):

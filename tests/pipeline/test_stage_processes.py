@@ -17,8 +17,8 @@ import time
 import pytest
 
 from jaxcpp import LLM, SamplingParams
-from jaxcpp.executor import ExecutorError
-from jaxcpp.runtime.mp_executor import MultiProcessExecutor, free_port
+from jaxcpp.core.executor import ExecutorError
+from jaxcpp.head.mp_executor import MultiProcessExecutor, free_port
 from tests.pipeline.test_pipeline_exactness import assert_same, prompts, run
 
 pytestmark = pytest.mark.slow

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from jaxcpp import LLM, SamplingParams
-from jaxcpp.buckets import token_buckets
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import predicted_ttft
 from jaxcpp.chunking.planner import ChunkSettings
 from jaxcpp.chunking.policy import plan_chunks
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.buckets import token_buckets
+from jaxcpp.core.fake_executor import FakeExecutor
 from tests.pipeline.conftest import write_random_model
 
 pytestmark = pytest.mark.slow

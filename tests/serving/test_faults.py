@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.executor import ExecutorError, StepResult
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.executor import ExecutorError, StepResult
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.serving import Client
 from tests.serving.conftest import started_stream, wait_until
 from tests.serving.fakes import EOS, FAKE_ENGINE_FLAGS, expected_tokens

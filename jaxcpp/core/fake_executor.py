@@ -28,9 +28,9 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.executor import HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.sampling_params import MAX_LOGPROBS
-from jaxcpp.step_input import StepInput, StepShape
 
 # (last token id, its position, tokens the sequence generated so far) -> the next token
 NextToken = Callable[[int, int, int], int]

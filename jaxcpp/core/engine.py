@@ -1,7 +1,7 @@
 """The engine loop: schedule -> submit -> collect -> postprocess. Host only: no jax, even transitively.
 
 The engine owns the host state (requests, pages, scheduler) and talks to the model only through an
-executor (`jaxcpp.executor`): step inputs go in, host arrays come back. With a pipeline of P stages up
+executor (`jaxcpp.core.executor`): step inputs go in, host arrays come back. With a pipeline of P stages up
 to P steps are in flight: the loop keeps submitting while the pipe has room and something can be
 scheduled, and collects the oldest step when the pipe is full or there is nothing new to send.
 
@@ -30,19 +30,19 @@ from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
+from jaxcpp.core.executor import Executor, ExecutorError, HostPhase, StepResult
+from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
+from jaxcpp.core.in_flight import InFlight
+from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
+from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.scheduler import ChunkSizer, FixedChunkSizer, Scheduler, SchedulerOutput, StopRule
+from jaxcpp.core.sequence import Sequence
+from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.stats_logger import StatsLogger
+from jaxcpp.core.step_input import build_step_input
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
-from jaxcpp.gc_heap import GcWatch, freeze_startup_heap, thaw
-from jaxcpp.in_flight import InFlight
 from jaxcpp.models.spec import resolve_model_spec
-from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
-from jaxcpp.page_allocator import PageAllocator
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
-from jaxcpp.scheduler import ChunkSizer, FixedChunkSizer, Scheduler, SchedulerOutput, StopRule
-from jaxcpp.sequence import Sequence
-from jaxcpp.sizing import EngineSizing
-from jaxcpp.stats_logger import StatsLogger
-from jaxcpp.step_input import build_step_input
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
                  record_logits: bool = False, freeze_heap: bool | None = None) -> None:
         """`freeze_heap`: freeze start-up's objects out of the garbage collector's way after warm-up
-        (`jaxcpp.gc_heap`). Default: when the engine builds its executor itself (a server, `LLM(model=)`);
+        (`jaxcpp.core.gc_heap`). Default: when the engine builds its executor itself (a server, `LLM(model=)`);
         not when handed one (tests and tools build many engines per process, and each freeze walks the
         whole heap once, ~0.25 s)."""
         self.config = config
@@ -75,7 +75,7 @@ class LLMEngine:
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
         self._frozen = device is not None if freeze_heap is None else freeze_heap
-        if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.gc_heap)
+        if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.core.gc_heap)
             freeze_startup_heap()
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: InFlight[tuple[SchedulerOutput, int]] = InFlight(

@@ -27,7 +27,7 @@ and timed it (dynamic chunking needs the timing before it sizes the next chunk).
 device surfaces as `ExecutorError` from submit or collect; the engine fails the requests it affected.
 
 Implementations: `jaxcpp.runtime.pipeline.PipelineExecutor` (P stages in this process, P = 1 included)
-and `jaxcpp.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax).
+and `jaxcpp.core.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxcpp.step_input import StepInput, StepShape
+from jaxcpp.core.step_input import StepInput, StepShape
 
 
 @dataclass(frozen=True)

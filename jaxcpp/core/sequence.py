@@ -20,8 +20,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxcpp.outputs import RequestMetrics, TokenLogprobs
-from jaxcpp.prefix_cache import PageHash, PageHashes
+from jaxcpp.core.outputs import RequestMetrics, TokenLogprobs
+from jaxcpp.core.prefix_cache import PageHash, PageHashes
 from jaxcpp.sampling_params import SamplingParams
 
 

@@ -3,7 +3,7 @@
 One row (thread) per stage, one complete event ("ph": "X") per micro-batch and stage spanning its
 forward (see `jaxcpp.runtime.timing`), so the pipeline and its bubbles are the gaps between boxes.
 Below them a "host" row holds the engine loop's phases of every step (schedule, build, dispatch,
-wait, postprocess; `jaxcpp.executor.HostPhase`) and the garbage collector's pauses ("gc"), so a
+wait, postprocess; `jaxcpp.core.executor.HostPhase`) and the garbage collector's pauses ("gc"), so a
 reader sees which gaps the host caused.
 Open the file in https://ui.perfetto.dev or chrome://tracing.
 
@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from jaxcpp.executor import HostPhase, StageTiming
+from jaxcpp.core.executor import HostPhase, StageTiming
 
 FLUSH_EVERY = 64  # events; the file is also flushed on close
 

@@ -15,7 +15,7 @@ step k's tokens the first stage reads its input from (`feedback_row`), so the ho
 token it only passes back. Not when that token must be its last (max_tokens, max-model-len); if it
 turns out to be a stop, the extra token is dropped when it arrives and its pages are already free.
 
-Prefix caching (`jaxcpp.page_allocator`, `jaxcpp.prefix_cache`): a request is admitted with the longest
+Prefix caching (`jaxcpp.core.page_allocator`, `jaxcpp.core.prefix_cache`): a request is admitted with the longest
 prefix of whole pages the cache holds already computed, never its last token (whose logits sample the
 next one), so at most (num_tokens - 1) // page_size pages; chunks and the token budget count only the
 rest. A preempted request is admitted the same way and finds its own pages if they were not evicted.
@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jaxcpp.config import SchedulerConfig
-from jaxcpp.executor import Logprobs, StepResult
-from jaxcpp.outputs import TokenLogprobs
-from jaxcpp.page_allocator import PageAllocator
-from jaxcpp.prefix_cache import PageHash
-from jaxcpp.sequence import Sequence, SequenceStatus
-from jaxcpp.step_input import ScheduledChunk, SchedulerOutput
+from jaxcpp.core.executor import Logprobs, StepResult
+from jaxcpp.core.outputs import TokenLogprobs
+from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.prefix_cache import PageHash
+from jaxcpp.core.sequence import Sequence, SequenceStatus
+from jaxcpp.core.step_input import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ChunkSizer", "FixedChunkSizer", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StopRule"]
 

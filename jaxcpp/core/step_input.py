@@ -1,7 +1,7 @@
 """A scheduled step (`SchedulerOutput`) -> padded host arrays: one bucket-shaped batch, one transfer (no jax).
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
-token bucket T (a decode-only step: possibly a decode rung below the others, `jaxcpp.buckets`) and the
+token bucket T (a decode-only step: possibly a decode rung below the others, `jaxcpp.core.buckets`) and the
 sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
 the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
 padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
@@ -22,13 +22,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxcpp.buckets import seq_bucket, step_bucket
-from jaxcpp.page_allocator import RESERVED_PAGE
+from jaxcpp.core.buckets import seq_bucket, step_bucket
+from jaxcpp.core.page_allocator import RESERVED_PAGE
+from jaxcpp.core.sequence import Sequence
 from jaxcpp.sampling_params import MAX_BANNED_IDS
-from jaxcpp.sequence import Sequence
 
 
-# ---- what the scheduler decided for one step (plain data; `jaxcpp.scheduler` makes it) -------------
+# ---- what the scheduler decided for one step (plain data; `jaxcpp.core.scheduler` makes it) -------------
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence

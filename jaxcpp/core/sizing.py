@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxcpp.buckets import decode_buckets, token_buckets
 from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.core.buckets import decode_buckets, token_buckets
+from jaxcpp.core.step_input import StepShape
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.spec import ModelSpec
-from jaxcpp.step_input import StepShape
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

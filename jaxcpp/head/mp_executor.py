@@ -16,7 +16,7 @@ On one host (`--distributed-executor-backend mp`) the head spawns the P stage pr
 127.0.0.1. With `--num-processes P --process-id I` every host runs `jaxcpp serve`: process 0 is the head
 and spawns stage 0 beside itself, host I runs stage I (`jaxcpp.runtime.stage_process.serve_stage`); the
 control channel listens on the coordinator's port + 1, and each stage advertises its host's address
-(`jaxcpp.runtime.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
+(`jaxcpp.head.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
 passes through the head, which keeps its last lines to say why it ended.
 
 One reader thread per stage receives what the stage sends (timings, the last stage's results,
@@ -48,12 +48,12 @@ from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
-from jaxcpp.runtime import wire
-from jaxcpp.runtime.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
-from jaxcpp.runtime.trace import TraceWriter
-from jaxcpp.sizing import EngineSizing
-from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.core.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.head import wire
+from jaxcpp.head.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
+from jaxcpp.head.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
