@@ -36,7 +36,7 @@ from jaxcpp.models.checkpoint import save_hf  # noqa: E402
 from jaxcpp.models.config import LlamaConfig  # noqa: E402
 from jaxcpp.models.llama import init_params  # noqa: E402
 from jaxcpp.models.spec import resolve_model_spec  # noqa: E402
-from jaxcpp.runtime.factory import build_executor  # noqa: E402
+from jaxcpp.runtime.factory import build_inproc_executor  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]
 WARM = 20
@@ -94,7 +94,7 @@ def measure(model: str, pp: int, tp: int, steps: int, trace_dir: Path) -> dict[s
             kw["trace_file"] = str(trace_dir / f"trace_{pp}x{tp}.json")
         config = EngineConfig.from_kwargs(**kw)
         sizing = EngineSizing.plan(config, resolve_model_spec(model, "float32"))
-        executor = build_executor(config, sizing)
+        executor = build_inproc_executor(config, sizing)
         executor.warmup(sizing.shape)
         return executor, padding_step(64, sizing.shape)
 

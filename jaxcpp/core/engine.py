@@ -26,7 +26,6 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
@@ -41,7 +40,7 @@ from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.core.step_input import build_step_input
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.models.spec import resolve_model_spec
+from jaxcpp.models.spec import ModelSpec, resolve_model_spec
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,14 +56,12 @@ class LLMEngine:
         self.config = config
         self.record_logits = record_logits
         spec = resolve_model_spec(config.model.model, config.model.dtype)  # a bad folder fails first
-        device = _device_side() if executor is None else None
-        if device is not None:
-            spec = spec.with_dtype(device.resolve_dtype(config.model.dtype))
-        self.sizing = EngineSizing.plan(config, spec)
+        built_here = executor is None
+        if executor is None:
+            executor, self.sizing = build_executor(config, spec)
+        else:
+            self.sizing = EngineSizing.plan(config, spec)
         self.tokenizer = self.sizing.spec.tokenizer
-        if device is not None:
-            executor = device.build_executor(config, self.sizing)
-        assert executor is not None
         self.executor: Executor = executor
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.chunking: ChunkSizer = self._build_chunk_sizer()
@@ -74,7 +71,7 @@ class LLMEngine:
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
         self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
-        self._frozen = device is not None if freeze_heap is None else freeze_heap
+        self._frozen = built_here if freeze_heap is None else freeze_heap
         if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.core.gc_heap)
             freeze_startup_heap()
         self.async_scheduling = config.scheduler.async_scheduling
@@ -328,9 +325,16 @@ class PhaseRecorder:
         self._gc.close()
 
 
-def _device_side() -> Any:
-    """The device side (`jaxcpp.runtime.factory`), imported here so that importing the engine never
-    imports jax: only building the real executor does."""
+def build_executor(config: EngineConfig, spec: ModelSpec) -> tuple[Executor, EngineSizing]:
+    """The real executor and the sizing it runs with, both settled where the backend is known (`--dtype
+    auto` depends on it). Imported here, so that importing the engine imports no jax: a multi-process
+    pipeline's head asks its stages and never imports jax at all (`jaxcpp.head.mp_executor`); in
+    process, the device side does it (`jaxcpp.runtime.factory`)."""
+    if config.parallel.executor_backend == "mp":
+        from jaxcpp.head.mp_executor import MultiProcessExecutor
+
+        mp = MultiProcessExecutor(config, spec)
+        return mp, mp.sizing
     from jaxcpp.runtime import factory
 
-    return factory
+    return factory.build_executor(config, spec)

@@ -1,6 +1,7 @@
 """The multi-process executor, head side: one OS process per pipeline stage, on one host or many.
 
-    executor = MultiProcessExecutor(config, sizing)   # spawns (or waits for) P stage processes
+    executor = MultiProcessExecutor(config, spec)     # spawns (or waits for) P stage processes, sizes
+    executor.sizing                                   # the engine on their backend, sends them that sizing
     ticket = executor.submit(step)     # the step packed once, the same few KB sent to every stage
     result = executor.collect(ticket)  # FIFO; tokens / logits / timings from the last stage
 
@@ -49,11 +50,12 @@ from typing import Any
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.core.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
-from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head import wire
 from jaxcpp.head.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
 from jaxcpp.head.trace import TraceWriter
+from jaxcpp.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class _StageLink:
     address: str = ""                      # the address it advertises (its transfer server binds it)
     transfer: str = ""                     # its transfer server, once ready
     compilations: int = 0                  # the stage's own count, as of its latest message
+    sized: tuple[str, int] | None = None   # the (dtype, KV pages) it built, as it reported them
     clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
     process: subprocess.Popen[bytes] | None = None   # when the head spawned it
     log_tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
@@ -146,12 +149,15 @@ def forward_log(ln: _StageLink, stream: Any) -> None:
 
 
 class MultiProcessExecutor:
-    def __init__(self, config: EngineConfig, sizing: EngineSizing) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
+        """`spec`: the model folder's, with the dtype asked for; `--dtype auto` is resolved on the stages'
+        backend, which only they hold (`sizing`, set once they said which)."""
         p = config.parallel
         self.num_stages = p.pipeline_parallel_size
         self.max_in_flight = self.num_stages
         self._config = config
-        self._sizing = sizing
+        self._spec = spec
+        self.sizing: EngineSizing  # set by the start-up, before any stage builds its layers
         self._lock = threading.Condition()
         self._failure: ExecutorError | None = None
         self._failure_listeners: list[Any] = []
@@ -254,26 +260,50 @@ class MultiProcessExecutor:
             if ln.host != socket.gethostname():
                 ln.clock_offset = time.perf_counter() - hello["clock"]  # one-way latency ignored
             wire.send(conn, self._setup_for(s))
+        self._size_stages(deadline)
         self._await_ready(deadline)
 
-    def _await_ready(self, deadline: float) -> None:
-        """Each stage loads in parallel; wait for all. The first that fails (an error, or its process
-        ended) stops the start-up at once, whichever it is: the others wait on it inside jax.distributed."""
-        loading = {ln.index: ln for ln in self.links}
-        while loading:
-            if time.monotonic() > deadline:
-                raise ExecutorError(f"stages {sorted(loading)} not ready within {START_TIMEOUT_S:.0f}s")
-            connection_wait([ln.conn for ln in loading.values()], timeout=0.2)
-            for ln in list(loading.values()):
-                header = self._start_message(ln)
-                if header is not None:
-                    del loading[ln.index]
-                    ln.transfer = header["transfer"]
-                    log.info("stage %d/%d ready: %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
-                             ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+    def _size_stages(self, deadline: float) -> None:
+        """Every stage says which backend it holds; the head resolves `--dtype auto` on it, sizes the engine
+        once and sends that sizing to every stage, which builds its layers and KV pages from it."""
+        backends = {ln.index: header["backend"] for ln, header in self._await_all("backend", deadline)}
+        if len(set(backends.values())) > 1:
+            raise ExecutorError(f"the stages hold different backends (stage: backend): {backends}")
+        dtype = dtype_on_backend(self._config.model.dtype, backends[0])
+        if dtype != self._config.model.dtype:
+            log.info("--dtype auto on the stages' %s backend: %s", backends[0], dtype)
+        self.sizing = EngineSizing.plan(self._config, self._spec.with_dtype(dtype))
+        for ln in self.links:
+            wire.send(ln.conn, {"op": "sizing", "sizing": self.sizing.to_message()})
 
-    def _start_message(self, ln: _StageLink) -> dict[str, Any] | None:
-        """Stage `ln`'s ready message if it is there; ExecutorError if the stage failed or ended."""
+    def _await_ready(self, deadline: float) -> None:
+        """Each stage loads in parallel and says what it built; it must be what the head sized."""
+        sized = (self.sizing.spec.config.dtype, self.sizing.num_pages)
+        for ln, header in self._await_all("ready", deadline):
+            ln.transfer = header["transfer"]
+            ln.sized = (header["dtype"], header["num_pages"])
+            if ln.sized != sized:
+                raise ln.error(f"built (dtype, KV pages) {ln.sized}, the head sized {sized}")
+            log.info("stage %d/%d ready: %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
+                     ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+
+    def _await_all(self, op: str, deadline: float) -> list[tuple[_StageLink, dict[str, Any]]]:
+        """Every stage's start-up message `op`, in stage order. The first stage that fails (an error, or its
+        process ended) stops the start-up at once: the others may wait on it inside jax.distributed."""
+        waiting, got = {ln.index: ln for ln in self.links}, []
+        while waiting:
+            if time.monotonic() > deadline:
+                raise ExecutorError(f"stages {sorted(waiting)} not ready within {START_TIMEOUT_S:.0f}s")
+            connection_wait([ln.conn for ln in waiting.values()], timeout=0.2)
+            for ln in list(waiting.values()):
+                header = self._start_message(ln, op)
+                if header is not None:
+                    del waiting[ln.index]
+                    got.append((ln, header))
+        return sorted(got, key=lambda item: item[0].index)
+
+    def _start_message(self, ln: _StageLink, op: str) -> dict[str, Any] | None:
+        """Stage `ln`'s message `op` if it is there; ExecutorError if the stage failed or ended."""
         if not ln.conn.poll(0):
             if ln.process is not None and ln.process.poll() is not None:
                 raise ln.error(f"failed during start-up: {how_it_ended(ln)}")
@@ -284,7 +314,7 @@ class MultiProcessExecutor:
             raise ln.error(f"failed during start-up: {how_it_ended(ln)}") from None
         if header["op"] == "error":
             raise ln.error(header["message"])
-        return header if header["op"] == "ready" else None
+        return header if header["op"] == op else None
 
     def _setup_for(self, stage: int) -> dict[str, Any]:
         tp = self._config.parallel.tensor_parallel_size

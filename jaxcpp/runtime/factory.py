@@ -1,8 +1,8 @@
-"""Build the executor for a planned engine: check devices, load each stage's own layers, place them.
+"""Build the in-process executor: resolve the dtype on this backend, size the engine, check devices,
+load each stage's own layers, place them.
 
-The head has already sized everything (`jaxcpp.core.sizing.EngineSizing`); this is the device side's half,
-the only module the engine imports (lazily) to get a real executor. It also says which dtype `auto`
-means on this backend, since only the device side knows the backend.
+The module the engine imports (lazily) for a pipeline in its own process; a multi-process pipeline's
+head never imports it (`jaxcpp.head.mp_executor`: its stages resolve the backend, the head holds none).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 import jax
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.core.executor import Executor
-from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
 from jaxcpp.kernels.backend import select_attention
 from jaxcpp.models.checkpoint import load_stage_params
+from jaxcpp.models.spec import ModelSpec
 from jaxcpp.runtime.mesh import make_mesh, stage_mesh
 from jaxcpp.runtime.pipeline import PipelineExecutor
 from jaxcpp.runtime.stage import Stage
@@ -45,24 +45,19 @@ def enable_compilation_cache() -> None:
 
 
 def resolve_dtype(requested: str, backend: str | None = None) -> str:
-    """`--dtype auto` means the checkpoint's, except on CPU: float32 there, since bfloat16 matmuls on
-    the CPU backend are emulated and run several times slower. An explicit dtype is always honoured."""
-    backend = backend or jax.default_backend()
-    if requested == "auto" and backend == "cpu":
+    """`dtype_on_backend` on this process's backend (or `backend`), said in the log when auto is float32."""
+    resolved = dtype_on_backend(requested, backend or jax.default_backend())
+    if resolved != requested:
         log.info("--dtype auto on the CPU backend: float32 (bfloat16 is emulated there; "
                  "give --dtype bfloat16 to keep the checkpoint's)")
-        return "float32"
-    return requested
+    return resolved
 
 
-def build_executor(config: EngineConfig, sizing: EngineSizing) -> Executor:
-    """`--distributed-executor-backend mp`: one process per stage (`MultiProcessExecutor`); otherwise
-    P stages in this process (P = 1 is the single-device case). Each stage loads only its layers."""
-    if config.parallel.executor_backend == "mp":
-        from jaxcpp.head.mp_executor import MultiProcessExecutor
-
-        return MultiProcessExecutor(config, sizing)
-    return build_inproc_executor(config, sizing)
+def build_executor(config: EngineConfig, spec: ModelSpec) -> tuple[PipelineExecutor, EngineSizing]:
+    """P stages in this process (P = 1 is the single-device case), each loading only its layers, and the
+    sizing they run with (the dtype resolved on this backend)."""
+    sizing = EngineSizing.plan(config, spec.with_dtype(resolve_dtype(config.model.dtype)))
+    return build_inproc_executor(config, sizing), sizing
 
 
 def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> PipelineExecutor:

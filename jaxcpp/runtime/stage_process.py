@@ -11,12 +11,15 @@ How a stage process comes up and runs:
     2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when it is to be
        pinned, single-threaded XLA:CPU; only then import jax (and pin, once the jax client exists)
     3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service
-       (a later stage first checks that it can reach it); build its `Stage` from its own layers
-       (`load_stage_params`); start its transfer server on the advertised address and publish it in
-       the service's key-value store, check that it can connect to its neighbours' (`cluster`), and
-       connect to the previous stage's (discovery through jax.distributed, not a home-made protocol)
-    4. tell the head it is ready (with its transfer server's address); until then a message or a
-       closed channel from the head means the head gave up: the stage exits instead of waiting for peers
+       (a later stage first checks that it can reach it); tell the head its backend and receive the
+       head's sizing (`EngineSizing`: `--dtype auto` resolved, pages, buckets; a stage never sizes
+       itself); build its `Stage` from its own layers (`load_stage_params`); start its transfer
+       server on the advertised address and publish it in the service's key-value store, check that
+       it can connect to its neighbours' (`cluster`), and connect to the previous stage's (discovery
+       through jax.distributed, not a home-made protocol)
+    4. tell the head it is ready (with its transfer server's address, and the dtype and KV pages it
+       built); until then a message other than the sizing, or a closed channel, from the head means
+       the head gave up: the stage exits instead of waiting for peers
     5. loop over control messages (`jaxcpp.head.wire`), in order:
          step      -> put the packed step on its devices, pull the activations of the same micro-batch
                       from stage S-1 (`jax.experimental.transfer`), run, time the model call, then
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -111,26 +115,32 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxcpp-parent-watch", daemon=True).start()
 
 
-def watch_head_while_starting(conn: Any, stage: int) -> threading.Event:
-    """Until this stage says ready the head sends nothing but `stop`, so anything readable (or a closed
-    channel) means the head gave up: exit rather than wait on a peer or a barrier that never comes.
-    Set the returned event just before sending ready (or an error)."""
+def watch_head_while_starting(conn: Any, stage: int) -> tuple[threading.Event, queue.SimpleQueue[dict[str, Any]]]:
+    """Until this stage says ready the head sends nothing but its sizing (handed over through the returned
+    queue) or `stop`, so anything else readable (or a closed channel) means the head gave up: exit rather
+    than wait on a peer or a barrier that never comes. Set the returned event just before sending ready
+    (or an error)."""
     ready = threading.Event()
+    sizing: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
 
     def run() -> None:
         while not ready.is_set():
             try:
                 if not conn.poll(0.25) or ready.is_set():
                     continue
-                stopped = wire.recv(conn)[0]["op"] == "stop"
+                header = wire.recv(conn)[0]
             except (EOFError, OSError):
-                stopped = False
+                header = {"op": "closed"}
+            if header["op"] == "sizing":
+                sizing.put(header["sizing"])
+                continue
+            stopped = header["op"] == "stop"
             log.error("stage %d: the head %s during start-up; exiting", stage,
                       "stopped the pipeline" if stopped else "closed the control channel")
             os._exit(0 if stopped else 1)
 
     threading.Thread(target=run, name="jaxcpp-start-watch", daemon=True).start()
-    return ready
+    return ready, sizing
 
 
 def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | None = None) -> int:
@@ -148,10 +158,10 @@ def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | N
         print(f"jaxcpp stage {stage}: the head refused it: {setup['reason']}", file=sys.stderr)
         return 2
     configure_process(setup["tensor_parallel_size"], setup.get("cores"))
-    ready = watch_head_while_starting(conn, stage)
+    ready, sizing = watch_head_while_starting(conn, stage)
     try:
         check_local(advertise)
-        worker = StageWorker(conn, stage, setup, advertise, ready)
+        worker = StageWorker(conn, stage, setup, advertise, ready, sizing)
     except Exception as e:  # loading, placing or reaching a peer failed: the head names it and gives up
         ready.set()  # this process ends with its own exit code, not the watcher's
         message = str(e) if isinstance(e, ConnectionError) else repr(e)
@@ -164,7 +174,8 @@ def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | N
 class StageWorker:
     """Everything below runs after jax is configured for this process (configure_process)."""
 
-    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str, ready: threading.Event) -> None:
+    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str, ready: threading.Event,
+                 sizing: queue.SimpleQueue[dict[str, Any]]) -> None:
         import jax
         from jax.experimental import transfer
 
@@ -179,7 +190,9 @@ class StageWorker:
         if setup.get("cores"):
             jax.devices()  # creates the client and its thread pools before the process is pinned
             pin_to_cores(setup["cores"])
-        self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
+        self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
+        self.stage, built = _build_stage(index, num_stages, setup["config"], sizing.get())
+        self.shape = built.shape
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
                                                       [host_port(my_ip, 0)])
         kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
@@ -197,7 +210,8 @@ class StageWorker:
         self._idle_since = 0.0
         ready.set()
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
-                    "layers": list(self.stage.layers), "transfer": self._server.address()})
+                    "layers": list(self.stage.layers), "transfer": self._server.address(),
+                    "dtype": built.spec.config.dtype, "num_pages": built.num_pages})
 
     def _send(self, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
         """Every message carries the stage's compile count, so the head knows it without asking."""
@@ -375,9 +389,10 @@ def _layout(fields: list[list[Any]]) -> Any:
     return tuple(Field(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in fields)
 
 
-def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> Any:
-    """This stage's `Stage` (or its stand-in), from the head's config: the same sizing plan, so pages and
-    buckets agree."""
+def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_message: dict[str, Any]
+                 ) -> tuple[Any, Any]:
+    """This stage's `Stage` (or its stand-in) and the sizing it was built with: the head's, so dtype,
+    pages and buckets agree."""
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
@@ -386,7 +401,7 @@ def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> An
     from jaxcpp.runtime.mesh import make_mesh, stage_mesh
 
     config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
-    sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
+    sizing = EngineSizing.from_message(sizing_message, resolve_model_spec(config.model.model, config.model.dtype))
     layers = sizing.layers[index]
     mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
     stand_in = config.parallel.stand_in_model()
@@ -399,7 +414,7 @@ def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> An
         stage = _load_stage(index, num_stages, config, sizing, mesh)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
              layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
-    return stage, sizing.shape
+    return stage, sizing
 
 
 def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any) -> Any:
