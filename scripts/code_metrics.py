@@ -4,8 +4,8 @@
 
 Lines are non-blank, non-comment lines. Import circles are found over every `from X import ...` between
 the package's own modules, lazy (inside functions) and TYPE_CHECKING ones included, and over every
-module a string names whole (`"-m", "jaxcpp.runtime.stage_process"`: a process it launches runs that
-module, so it depends on it), as strongly connected components. Duplicate runs: `RUN` or more
+module a command line launches (`[..., "-m", "jaxcpp.runtime.stage_process", ...]`: that process runs
+the module, so the launcher depends on it), as strongly connected components. Duplicate runs: `RUN` or more
 consecutive code lines (blank, comment, import and lone-bracket lines skipped, white space folded) that
 stand identically in two places of the package (tests left out).
 """
@@ -59,8 +59,9 @@ def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
-                targets = [node.value]  # a module launched by name (python -m)
+            elif isinstance(node, ast.List | ast.Tuple):  # [..., "-m", "jaxcpp.x.y", ...]: a launched module
+                words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+                targets = [str(m) for flag, m in zip(words, words[1:], strict=False) if flag == "-m"]
             else:
                 continue
             graph[name] |= {t for t in targets if t in modules and t != name}
