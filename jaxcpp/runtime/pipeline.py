@@ -18,10 +18,8 @@ Chrome/Perfetto trace. The contract is `jaxcpp.core.executor`; see docs/pipeline
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +31,10 @@ from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput
+from jaxcpp.runtime.stage_ops import COMPILE_THREADS, compile_buckets, time_attention_free
 from jaxcpp.runtime.timing import DispatchedStage, TimingRecorder
 
 log = logging.getLogger(__name__)
-
-# Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
-COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
 
 
 @dataclass
@@ -75,27 +71,18 @@ class PipelineExecutor:
         each bucket once through the whole pipe (the transfers between stages, the host reads)."""
         self._shape = shape
         buckets = shape.buckets
-        threads = min(COMPILE_THREADS, len(buckets))
         log.info("compiling %d programs on %d stage(s), one per token bucket %s, %d at a time ...",
-                 len(buckets), len(self.stages), buckets, threads)
+                 len(buckets), len(self.stages), buckets, min(COMPILE_THREADS, len(buckets)))
         start = time.perf_counter()
-        with ThreadPoolExecutor(threads, thread_name_prefix="jaxcpp-compile") as pool:
-            for i, (num_tokens, seconds) in enumerate(pool.map(self._compile_bucket, buckets), 1):
-                log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets),
-                         len(self.stages), num_tokens, seconds)
+        compile_buckets(self.stages, shape, lambda i, num_tokens, seconds: log.info(
+            "compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets), len(self.stages),
+            num_tokens, seconds))
         for num_tokens in buckets:  # decode-only rungs carry no prompt token to score
             self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True,
                                      want_logprobs=True, want_prompt_logprobs=num_tokens in shape.token_buckets))
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
         return time.perf_counter() - start
-
-    def _compile_bucket(self, num_tokens: int) -> tuple[int, float]:
-        assert self._shape is not None
-        start = time.perf_counter()
-        for stage in self.stages:
-            stage.compile(self._shape, num_tokens)
-        return num_tokens, time.perf_counter() - start
 
     def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
@@ -159,11 +146,9 @@ class PipelineExecutor:
         """
         if self._shape is None:
             raise RuntimeError("time_attention_free_forward() needs warmup() first (it fixes the shapes)")
-        step = padding_step(num_tokens, self._shape)
-        if num_tokens not in self._attention_free_ready:
-            self._attention_free_forward(step)
-            self._attention_free_ready.add(num_tokens)
-        return max(self._attention_free_forward(step))
+        first_use = num_tokens not in self._attention_free_ready
+        self._attention_free_ready.add(num_tokens)
+        return max(self._attention_free_forward(padding_step(num_tokens, self._shape), first_use))
 
     def record_host_phases(self, phases: list[HostPhase]) -> None:
         if self._trace is not None and self._traced:
@@ -187,15 +172,13 @@ class PipelineExecutor:
         """Every recorded (micro-batch, stage) timing, oldest first (bounded; warm-up included)."""
         return self._timing.timings()
 
-    def _attention_free_forward(self, step: StepInput) -> list[float]:
+    def _attention_free_forward(self, step: StepInput, first_use: bool) -> list[float]:
         seconds, hidden = [], None
         for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             if hidden is not None:
                 hidden = stage.receive(hidden)
-            jax.block_until_ready((batch.packed, hidden, stage.kv))  # also drains micro-batches in flight
-            t0 = time.perf_counter()
-            hidden = jax.block_until_ready(stage.run_attention_free(batch, hidden))
-            seconds.append(time.perf_counter() - t0)
+            elapsed, hidden = time_attention_free(stage, batch, hidden, first_use)
+            seconds.append(elapsed)
         return seconds
 
     def _put_step(self, step: StepInput) -> list[StageInput]:

@@ -191,7 +191,7 @@ class StageWorker:
             jax.devices()  # creates the client and its thread pools before the process is pinned
             pin_to_cores(setup["cores"])
         self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
-        self.stage, built = _build_stage(index, num_stages, setup["config"], sizing.get())
+        self.stage, built = _stage(index, num_stages, setup["config"], sizing.get())
         self.shape = built.shape
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
                                                       [host_port(my_ip, 0)])
@@ -320,42 +320,29 @@ class StageWorker:
         return StageInput(jax.device_put(buf, self.stage.replicated), layout)
 
     def _warmup(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Every bucket's program, compiled here (`COMPILE_THREADS` at a time, as in one process) while
-        the other stages compile theirs, then each run once."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        """Every bucket's program, compiled here (as in one process) while the other stages compile
+        theirs, then each run once."""
         import jax
 
-        from jaxcpp.runtime.pipeline import COMPILE_THREADS
+        from jaxcpp.runtime.stage_ops import compile_buckets
 
         buckets = self.shape.buckets
-
-        def compile_bucket(num_tokens: int) -> tuple[int, float]:
-            t0 = time.perf_counter()
-            self.stage.compile(self.shape, num_tokens)
-            return num_tokens, time.perf_counter() - t0
-
-        with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
-            for i, (num_tokens, seconds) in enumerate(pool.map(compile_bucket, buckets), 1):
-                self._send({"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets),
-                            "num_tokens": num_tokens, "seconds": seconds})
+        compile_buckets([self.stage], self.shape, lambda i, num_tokens, seconds: self._send(
+            {"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets), "num_tokens": num_tokens,
+             "seconds": seconds}))
         for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
         self._send({"op": "reply", "what": "warmup"})
 
     def _attention_free(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """The calibration sweep's forward, timed around the model call with its inputs ready."""
-        import jax
+        from jaxcpp.runtime.stage_ops import time_attention_free
 
         num_tokens = header["num_tokens"]
-        batch, hidden = self._put(num_tokens), self._zeros(num_tokens)
-        if num_tokens not in self._attention_free_ready:  # compile (and run once) untimed
-            jax.block_until_ready(self.stage.run_attention_free(batch, hidden))
-            self._attention_free_ready.add(num_tokens)
-        jax.block_until_ready((batch.packed, hidden, self.stage.kv))
-        t0 = time.perf_counter()
-        jax.block_until_ready(self.stage.run_attention_free(batch, hidden))
-        self._send({"op": "reply", "what": "attention_free", "seconds": time.perf_counter() - t0})
+        first_use = num_tokens not in self._attention_free_ready
+        self._attention_free_ready.add(num_tokens)
+        seconds, _ = time_attention_free(self.stage, self._put(num_tokens), self._zeros(num_tokens), first_use)
+        self._send({"op": "reply", "what": "attention_free", "seconds": seconds})
 
 
 def _neighbours(index: int, num_stages: int) -> list[int]:
@@ -389,45 +376,25 @@ def _layout(fields: list[list[Any]]) -> Any:
     return tuple(Field(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in fields)
 
 
-def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_message: dict[str, Any]
-                 ) -> tuple[Any, Any]:
-    """This stage's `Stage` (or its stand-in) and the sizing it was built with: the head's, so dtype,
-    pages and buckets agree."""
+def _stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_message: dict[str, Any]
+           ) -> tuple[Any, Any]:
+    """This stage (`stage_ops.build_stage`) on this process's devices, and the sizing it was built with:
+    the head's, so dtype, pages and buckets agree."""
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
     from jaxcpp.core.sizing import EngineSizing
     from jaxcpp.models.spec import resolve_model_spec
     from jaxcpp.runtime.mesh import make_mesh, stage_mesh
+    from jaxcpp.runtime.stage_ops import build_stage
 
     config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
     sizing = EngineSizing.from_message(sizing_message, resolve_model_spec(config.model.model, config.model.dtype))
-    layers = sizing.layers[index]
     mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
-    stand_in = config.parallel.stand_in_model()
-    if stand_in is not None:
-        from jaxcpp.runtime.stand_in import StandInStage
-
-        stage: Any = StandInStage(index, num_stages, mesh, layers, stand_in, config.parallel.stand_in_jitter,
-                                  sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
-    else:
-        stage = _load_stage(index, num_stages, config, sizing, mesh)
+    stage = build_stage(index, num_stages, mesh, config, sizing)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
-             layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
+             stage.layers[0], stage.layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing
-
-
-def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any) -> Any:
-    from jaxcpp.kernels.backend import select_attention
-    from jaxcpp.models.checkpoint import load_stage_params
-    from jaxcpp.runtime.factory import enable_compilation_cache
-    from jaxcpp.runtime.stage import Stage
-
-    enable_compilation_cache()
-    layers = sizing.layers[index]
-    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
-    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs, sizing.token_buckets[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
