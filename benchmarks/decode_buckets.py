@@ -42,10 +42,9 @@ def run_once(llm, prompts: list[list[int]], params: list) -> tuple[float, dict[s
     shapes: dict[int, tuple[int, int]] = {}
     submit = executor.submit
 
-    def recording(step, *a, **kw):  # type: ignore[no-untyped-def]
-        ticket = submit(step, *a, **kw)
-        shapes[ticket] = (int(step.num_seqs), int(step.num_decodes))
-        return ticket
+    def recording(step_id, step, *a, **kw):  # type: ignore[no-untyped-def]
+        shapes[step_id] = (int(step.num_seqs), int(step.num_decodes))
+        return submit(step_id, step, *a, **kw)
 
     executor.submit = recording
     t0 = time.perf_counter()
@@ -55,8 +54,8 @@ def run_once(llm, prompts: list[list[int]], params: list) -> tuple[float, dict[s
     time.sleep(0.3)  # the watchers record the last step
     kinds: dict[str, list[float]] = defaultdict(list)
     for t in executor.timings():
-        if t.ticket in shapes:
-            seqs, decodes = shapes[t.ticket]
+        if t.step_id in shapes:
+            seqs, decodes = shapes[t.step_id]
             kind = next(name for top, name in BANDS if seqs <= top) if seqs == decodes else "with chunks"
             kinds[kind].append(1e3 * t.forward)
     return wall, kinds

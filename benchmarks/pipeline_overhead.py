@@ -16,6 +16,7 @@ executor (no probes; its `collect` reads the tokens, so it includes the forward)
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -54,6 +55,9 @@ def us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
+STEP_IDS = itertools.count()  # every step submitted here has an id of its own
+
+
 def steady_loop(executor, step, steps: int) -> float:
     """Median seconds per micro-batch with the pipe kept full and every step's tokens read."""
     in_flight, laps = [], []
@@ -61,7 +65,9 @@ def steady_loop(executor, step, steps: int) -> float:
         t0 = time.perf_counter()
         if len(in_flight) == executor.max_in_flight:
             _ = executor.collect(in_flight.pop(0)).tokens
-        in_flight.append(executor.submit(step))
+        step_id = next(STEP_IDS)
+        executor.submit(step_id, step)
+        in_flight.append(step_id)
         if i >= WARM:
             laps.append(time.perf_counter() - t0)
     while in_flight:
@@ -75,9 +81,10 @@ def idle_submits(executor, step, steps: int) -> tuple[list[float], list[float]]:
     for i in range(WARM + steps):
         time.sleep(0.003)  # the previous batch's watchers have gone back to sleep
         t0 = time.perf_counter()
-        ticket = executor.submit(step, want_tokens=False)  # as a middle prefill chunk: collect never waits
+        step_id = next(STEP_IDS)
+        executor.submit(step_id, step, want_tokens=False)  # as a middle prefill chunk: collect never waits
         t1 = time.perf_counter()
-        executor.collect(ticket)
+        executor.collect(step_id)
         t2 = time.perf_counter()
         jax.block_until_ready(executor.stages[-1].kv)  # drain, so every submit starts from an idle pipe
         if i >= WARM:

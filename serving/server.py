@@ -494,9 +494,7 @@ class Server:
     async def attach_engine(self, engine: Engine) -> None:
         """Start the engine thread on `engine`, open the service and turn health SERVING."""
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
-        listen = getattr(getattr(engine, "executor", None), "add_failure_listener", None)
-        if listen is not None:  # a stage process that dies while the engine idles is noticed too
-            listen(self._on_engine_failure)
+        engine.add_failure_listener(self._on_engine_failure)  # a stage that dies while the engine idles
         self.engine_loop.start()
         model_info = await asyncio.wrap_future(self.engine_loop.submit(engine.model_info))
         self.servicer.attach(self.engine_loop, model_info)

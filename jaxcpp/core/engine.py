@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
-from jaxcpp.core.executor import Executor, ExecutorError, HostPhase, StepResult
+from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
 from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
@@ -75,8 +75,8 @@ class LLMEngine:
         if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.core.gc_heap)
             freeze_startup_heap()
         self.async_scheduling = config.scheduler.async_scheduling
-        self._in_flight: InFlight[tuple[SchedulerOutput, int]] = InFlight(
-            self.executor.max_in_flight + self.async_scheduling)  # (step, ticket)
+        self._in_flight: InFlight[SchedulerOutput] = InFlight(self.executor.max_in_flight + self.async_scheduling)
+        self._released: set[int] = set()  # steps in flight the executor holds nothing of (failed there)
         self._aborted: list[RequestOutput] = []
         self._phases = PhaseRecorder()
         self._seed_rng = random.Random(config.model.seed)
@@ -170,35 +170,34 @@ class LLMEngine:
         oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
-            sched = self.scheduler.schedule(feedback_from=oldest[0].step_id if oldest else None)
+            sched = self.scheduler.schedule(feedback_from=oldest.step_id if oldest else None)
         if sched.is_empty:
             return False
         with phase("build"):
             step = build_step_input(sched, self.sizing.shape)
+        self._in_flight.append(sched, sched.samples)
         try:
             with phase("dispatch"):
-                ticket = self.executor.submit(step, want_tokens=sched.samples, want_logits=self.record_logits,
-                                              ack=sched.ack,
-                                              feedback_from=oldest[1] if oldest and sched.feeds_back else None,
-                                              want_logprobs=sched.wants_logprobs,
-                                              want_prompt_logprobs=sched.wants_prompt_logprobs)
+                self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
+                                     ack=sched.ack, feedback_from=sched.feedback_from if sched.feeds_back else None,
+                                     want_logprobs=sched.wants_logprobs,
+                                     want_prompt_logprobs=sched.wants_prompt_logprobs)
         except ExecutorError:
-            self._in_flight.append((sched, -1), sched.samples)  # never submitted: fails with those in flight
+            self._released.add(sched.step_id)  # never submitted: it fails with those in flight
             raise
-        self._in_flight.append((sched, ticket), sched.samples)
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        sched, ticket = self._in_flight.oldest  # taken off only once collected: a failure keeps it
+        sched = self._in_flight.oldest  # taken off only once collected: a failure keeps it
         phase = self._phases.timer(sched.step_id)
         try:
             with phase("wait"):
-                result = self.executor.collect(ticket)
+                result = self.executor.collect(sched.step_id)
             self._check_tokens(sched, result)
         except ExecutorError:
-            self._in_flight.replace_oldest((sched, -1))  # the executor holds nothing more of it
+            self._released.add(sched.step_id)  # the executor holds nothing more of it
             raise
         self._in_flight.popleft()
         with phase("postprocess"):
@@ -224,20 +223,21 @@ class LLMEngine:
         now, outputs = time.monotonic(), []
         self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
         while self._in_flight:
-            sched, ticket = self._in_flight.popleft()
-            if ticket >= 0 and not error.fatal:
-                self._discard(ticket)  # the executor keeps running: take back what it still holds
+            sched = self._in_flight.popleft()
+            if sched.step_id not in self._released and not error.fatal:
+                self._discard(sched.step_id)  # the executor keeps running: take back what it still holds
             for chunk in sched.chunks:
                 if not chunk.seq.is_finished:
                     self.scheduler.finish(chunk.seq, "error", now)
                     outputs.append(dataclasses.replace(self._output(chunk.seq, []), error=str(error)))
+        self._released.clear()
         if error.fatal:
             raise error
         return outputs
 
-    def _discard(self, ticket: int) -> None:
+    def _discard(self, step_id: int) -> None:
         try:
-            self.executor.collect(ticket)
+            self.executor.collect(step_id)
         except ExecutorError as e:
             log.error("a step in flight with the failed one failed too: %s", e)
 
@@ -248,6 +248,10 @@ class LLMEngine:
                              logits=seq.logits or None, num_cached_tokens=seq.num_cached_tokens,
                              logprobs=list(seq.logprobs) if p.logprobs is not None else None,
                              prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None)
+
+    def add_failure_listener(self, callback: FailureListener) -> None:
+        """`callback(error)` when the executor fails between steps (a stage process died while idle)."""
+        self.executor.add_failure_listener(callback)
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

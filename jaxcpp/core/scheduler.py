@@ -170,13 +170,13 @@ class Scheduler:
     def schedule(self, feedback_from: int | None = None) -> SchedulerOutput:
         """The next step; `feedback_from`: a step still in flight whose tokens this one may take."""
         out = SchedulerOutput(step_id=self.num_steps, feedback_from=feedback_from)
-        self.num_steps += 1
         self.chunk_sizer.observe_step(self._num_prefill_sources())
         budget_left = self.config.max_num_batched_tokens
         budget_left = self._schedule_decodes(out, budget_left)
         budget_left = self._schedule_prefills(out, budget_left, self._running_prefills())
         self._schedule_prefills(out, budget_left, list(self.waiting), admit=True)
         out.ack = self.chunk_sizer.needs_ack
+        self.num_steps += not out.is_empty  # ids count the steps that run: consecutive from 0
         return out
 
     def postprocess(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[Sequence]:

@@ -246,28 +246,28 @@ class StageWorker:
         from jaxcpp.runtime.stage import StageInput
 
         received = time.perf_counter()
-        ticket, num_tokens = header["id"], header["num_tokens"]
+        step_id, num_tokens = header["id"], header["num_tokens"]
         batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
                            header.get("needs_full_sampler", False))
         pull_start = time.perf_counter()
         self._drain_tokens(header.get("drain_tokens", ()))
-        fed_back = self._feedback(ticket, header["feedback_from"])
-        hidden = self._pull(ticket, num_tokens) if self._prev is not None else None
+        fed_back = self._feedback(step_id, header["feedback_from"])
+        hidden = self._pull(step_id, num_tokens) if self._prev is not None else None
         jax.block_until_ready((batch.packed, hidden, fed_back))
         inputs_ready = time.perf_counter()
         out = self.stage.run(batch, hidden, fed_back)
         jax.block_until_ready(out)
         done = time.perf_counter()
-        self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
+        self._send({"op": "timing", "id": step_id, "stage": self.index, "num_tokens": num_tokens,
                     "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
                     "inputs_ready": inputs_ready, "start": inputs_ready, "done": done})
         if not self.stage.is_last:
-            self._server.await_pull(ticket, out)
+            self._server.await_pull(transfer_id(step_id), out)
             return
         if header.get("offer_tokens"):
-            self._server.await_pull(ticket, out.tokens)  # before the result: a drain never waits
+            self._server.await_pull(transfer_id(step_id), out.tokens)  # before the result: a drain never waits
         elif self.stage.is_first:  # one stage: first and last
-            self._recent_tokens[ticket] = out.tokens
+            self._recent_tokens[step_id] = out.tokens
         wants = {"tokens": header["want_tokens"], "logits": header["want_logits"],
                  "logprobs": header.get("want_logprobs", False),
                  "prompt_logprobs": header.get("want_prompt_logprobs", False)}
@@ -276,31 +276,31 @@ class StageWorker:
         parts = {"tokens": [out.tokens], "logits": [out.logits], "logprobs": out.sampled[1:],
                  "prompt_logprobs": self.stage.run_prompt_logprobs(out) if wants["prompt_logprobs"] else ()}
         result = [np.asarray(a) for name, wanted in wants.items() if wanted for a in parts[name]]
-        self._send({"op": "result", "id": ticket, **wants}, result)
+        self._send({"op": "result", "id": step_id, **wants}, result)
 
-    def _feedback(self, ticket: int, source: int | None) -> Any:
+    def _feedback(self, step_id: int, source: int | None) -> Any:
         """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
         from the last stage, which offered them when it sampled them, so the pull waits for step
         `source` only. Kept for the steps still in flight: two steps may feed back from one."""
         if not self.stage.is_first:
             return None
-        for old in [t for t in self._recent_tokens if t < ticket - self._num_stages - 1]:
+        for old in [t for t in self._recent_tokens if t < step_id - self._num_stages - 1]:
             del self._recent_tokens[old]  # the head feeds back only from steps in flight (<= P + 1)
         if source is None:
             return None
         if source not in self._recent_tokens:
-            self._recent_tokens[source] = self._last.pull(source, self.stage.tokens_aval())  # type: ignore[union-attr]
+            self._recent_tokens[source] = self._last.pull(transfer_id(source), self.stage.tokens_aval())  # type: ignore[union-attr]
         return self._recent_tokens[source]
 
-    def _drain_tokens(self, tickets: Any) -> None:
+    def _drain_tokens(self, step_ids: Any) -> None:
         """Take the offers no step will feed back from, so the last stage lets go of them."""
-        if tickets and self._last is not None:
+        if step_ids and self._last is not None:
             import jax
 
-            jax.block_until_ready([self._last.pull(t, self.stage.tokens_aval()) for t in tickets])
+            jax.block_until_ready([self._last.pull(transfer_id(t), self.stage.tokens_aval()) for t in step_ids])
 
-    def _pull(self, ticket: int, num_tokens: int) -> Any:
-        return self._prev.pull(ticket, self.stage.hidden_aval(num_tokens))  # type: ignore[union-attr]
+    def _pull(self, step_id: int, num_tokens: int) -> Any:
+        return self._prev.pull(transfer_id(step_id), self.stage.hidden_aval(num_tokens))  # type: ignore[union-attr]
 
     def _zeros(self, num_tokens: int) -> Any:
         import jax
@@ -343,6 +343,12 @@ class StageWorker:
         self._attention_free_ready.add(num_tokens)
         seconds, _ = time_attention_free(self.stage, self._put(num_tokens), self._zeros(num_tokens), first_use)
         self._send({"op": "reply", "what": "attention_free", "seconds": seconds})
+
+
+def transfer_id(step_id: int) -> int:
+    """The step's id as the transfer server takes it (unsigned): its two's complement, so a head's own
+    warm-up step (id < 0) crosses too."""
+    return step_id % 2**64
 
 
 def _neighbours(index: int, num_stages: int) -> list[int]:

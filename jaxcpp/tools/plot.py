@@ -50,9 +50,9 @@ def plot_measured_vs_predicted(timings: Sequence[StageTiming], model: LatencyMod
     """One lone prompt's stage boxes as the stages timed them, beside the boxes `model` predicts for the
     same chunks (stage s starts chunk k once stage s - 1 finished k and stage s finished k - 1)."""
     t0 = min(t.start for t in timings)
-    first = min(t.ticket for t in timings)
+    first = min(t.step_id for t in timings)
     measured = SimResult(ttft={"lone": max(t.done for t in timings) - t0},
-                         spans=[StageSpan(t.ticket - first, t.stage, t.start - t0, t.done - t0,
+                         spans=[StageSpan(t.step_id - first, t.stage, t.start - t0, t.done - t0,
                                           (("lone", 0, t.num_tokens),)) for t in timings])
     weights = stage_weights or (1.0,) * num_stages
     done = [[0.0] * len(chunks) for _ in weights]

@@ -41,9 +41,9 @@ class CountingFake(FakeExecutor):
         super().__init__(**kw)
         self.seen: list[tuple[int, int]] = []
 
-    def submit(self, step, *, want_tokens=True, **kw):
-        self.seen.append((len(self._pending), any(r.tokens is not None for _, r, _, _ in self._pending)))
-        return super().submit(step, want_tokens=want_tokens, **kw)
+    def submit(self, step_id, step, *, want_tokens=True, **kw):
+        self.seen.append((len(self._in_flight), any(r.tokens is not None for r, _, _ in self._in_flight.values())))
+        return super().submit(step_id, step, want_tokens=want_tokens, **kw)
 
 
 def engine_on(fake: FakeExecutor, *, dynamic: bool, async_scheduling: bool = True) -> LLMEngine:

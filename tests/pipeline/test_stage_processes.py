@@ -92,10 +92,10 @@ def test_fed_back_tokens_do_not_serialize_the_stages(mp_llm, random_model):
     step j's header, after step j - 1, the two stages would take turns)."""
     llm = mp_llm(model=random_model, pipeline_parallel_size=2, max_num_seqs=2)
     executor = llm.engine.executor
-    first_ticket = executor._next_ticket
+    first_step = llm.engine.scheduler.num_steps
     llm.generate(prompt_token_ids=[[3 + i] * 8 for i in range(4)],
                  sampling_params=SamplingParams(max_tokens=24, ignore_eos=True))
-    probes = [p for p in executor.probes() if p["id"] >= first_ticket]
+    probes = [p for p in executor.probes() if p["id"] >= first_step]
     ready = {p["id"]: p["inputs_ready"] for p in probes if p["stage"] == 0}
     last_done = {p["id"]: p["done"] for p in probes if p["stage"] == 1}
     overlapped = [j for j in ready if j - 1 in last_done and ready[j] < last_done[j - 1]]

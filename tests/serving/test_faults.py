@@ -37,13 +37,13 @@ class Faulty(FakeExecutor):
         super().__init__(eos_token_id=EOS, step_delay_s=0.005, **kw)
         self.fault, self.fail_at, self.collects = fault, fail_at, 0
 
-    def submit(self, step, **flags) -> int:
+    def submit(self, step_id, step, **flags) -> None:
         if self.fault == "submit" and len(self.steps) + 1 >= self.fail_at:
             raise ExecutorError("stage process exited with signal 9", stage=1)
-        return super().submit(step, **flags)
+        return super().submit(step_id, step, **flags)
 
-    def collect(self, ticket: int) -> StepResult:
-        result = super().collect(ticket)
+    def collect(self, step_id: int) -> StepResult:
+        result = super().collect(step_id)
         self.collects += 1
         if self.collects == self.fail_at:
             if self.fault == "collect":
