@@ -122,7 +122,7 @@ class ServingMetrics:
             self.e2e.observe(m.e2e)
         for gap in m.itl:
             self.itl.observe(gap)
-        n = len(output.token_ids)
+        n = output.num_generated
         if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
 

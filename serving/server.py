@@ -238,14 +238,14 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
     def _response(self, request_id: str, out: RequestOutput, delta: SampleDelta) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,
                                        index=delta.index, logprobs=_logprobs_proto(delta.logprobs))
-        if out.prompt_logprobs is not None and len(delta.token_ids) == len(out.token_ids):  # its first message
+        if out.prompt_logprobs is not None and len(delta.token_ids) == out.num_generated:  # its first message
             response.prompt_logprobs.extend(_logprobs_proto(out.prompt_logprobs))
         if delta.finished:
             m = out.metrics
             response.finish_reason = _FINISH_REASONS.get(delta.finish_reason or "",
                                                          pb.FINISH_REASON_UNSPECIFIED)
             response.num_prompt_tokens = len(out.prompt_token_ids)
-            response.num_generated_tokens = len(out.token_ids)
+            response.num_generated_tokens = out.num_generated
             response.ttft_s = m.ttft or 0.0
             response.e2e_s = m.e2e or (time.monotonic() - m.arrival_time)
             response.num_cached_tokens = out.num_cached_tokens

@@ -41,9 +41,13 @@ class TokenLogprobs:
 
 @dataclass
 class RequestOutput:
+    """What one step did to one request: what is new, not everything so far (a stream of n tokens is
+    n outputs, so a copy of all tokens in each would cost n² in all). The finished output also
+    carries every generated token, once."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]                  # every token generated so far
+    token_ids: list[int]                  # every token generated, on the finished output only ([] before)
     new_token_ids: list[int]              # the tokens this step added
     finished: bool
     finish_reason: str | None             # "stop" (EOS or a stop id), "length", "abort", "error"; None while running
@@ -52,9 +56,10 @@ class RequestOutput:
     logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
     error: str | None = None              # what failed, when finish_reason is "error"
     num_cached_tokens: int = 0            # prompt tokens whose K/V came from the prefix cache
-    logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked (SamplingParams.logprobs)
+    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids, when asked (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token but the first, once all are scored
     samples: list[RequestOutput] | None = None  # LLM.generate with n > 1: all n samples (this is the first)
+    num_generated: int = 0                # tokens generated so far, new_token_ids included
 
 
 @dataclass(frozen=True)
