@@ -222,18 +222,10 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         values, labels = split_dynamic_chunking(s.dynamic_chunking)
         return pb.GetServerStatsResponse(
-            num_running=s.num_running, num_waiting=s.num_waiting, num_pages_used=s.num_pages_used,
-            num_pages_free=s.num_pages_free, num_pages_total=s.num_pages_total,
-            num_compilations_since_warmup=s.num_compilations_since_warmup,
-            num_prompt_tokens_total=s.num_prompt_tokens_total,
-            num_generation_tokens_total=s.num_generation_tokens_total,
-            num_preemptions_total=s.num_preemptions_total, num_in_flight=len(self._in_flight) + self.others_in_flight(),
+            **s.counts(), num_in_flight=len(self._in_flight) + self.others_in_flight(),
             max_queue_size=self._config.max_queue_size,
             dynamic_chunking=pb.DynamicChunkingStats(values=values, labels=labels),
-            uptime_s=time.monotonic() - self._started,
-            num_prefix_cache_queried_tokens_total=s.num_prefix_cache_queried_tokens_total,
-            num_prefix_cache_hit_tokens_total=s.num_prefix_cache_hit_tokens_total,
-            num_pages_cached=s.num_pages_cached, num_prefix_cache_evictions_total=s.num_prefix_cache_evictions_total)
+            uptime_s=time.monotonic() - self._started)
 
     def _response(self, request_id: str, out: RequestOutput, delta: SampleDelta) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 
@@ -62,24 +62,52 @@ class RequestOutput:
     num_generated: int = 0                # tokens generated so far, new_token_ids included
 
 
+def _count(metric: str = "", doc: str = "", default: int | None = None) -> Any:
+    """An EngineStats count, and the Prometheus metric it is exported as (a count whose name ends in
+    _total is a counter, the others gauges; no metric name: not exported on its own)."""
+    metadata = {"metric": metric, "doc": doc}
+    return field(metadata=metadata) if default is None else field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_pages_used: int
-    num_pages_free: int
-    num_pages_total: int
-    num_compilations_since_warmup: int
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
-    num_preemptions_total: int
+    """The engine's counts: one schema for the gRPC message (its fields have these names), the client
+    (`from_counts`) and the metrics (each field's metric name and help text)."""
+
+    num_running: int = _count("jaxcpp_requests_running", "requests the engine is running")
+    num_waiting: int = _count("jaxcpp_requests_waiting", "requests in the engine waiting for pages")
+    num_pages_used: int = _count("jaxcpp_kv_cache_pages_used", "KV-cache pages in use")
+    num_pages_free: int = _count("jaxcpp_kv_cache_pages_free", "KV-cache pages free")
+    num_pages_total: int = _count()
+    num_compilations_since_warmup: int = _count("jaxcpp_compilations_since_warmup",
+                                                "XLA compilations after warm-up (should stay 0)")
+    num_prompt_tokens_total: int = _count("jaxcpp_prompt_tokens", "prompt tokens processed")
+    num_generation_tokens_total: int = _count("jaxcpp_generation_tokens", "tokens generated")
+    num_preemptions_total: int = _count("jaxcpp_preemptions", "requests preempted")
     dynamic_chunking: dict[str, Any] = field(default_factory=dict)  # state and counters, once enabled
     # Prefix caching: prompt tokens looked up at admission and found (first admissions only), cached
     # pages (registered, held by nobody; counted in num_pages_free since they are evicted on demand).
-    num_prefix_cache_queried_tokens_total: int = 0
-    num_prefix_cache_hit_tokens_total: int = 0
-    num_pages_cached: int = 0
-    num_prefix_cache_evictions_total: int = 0
+    num_prefix_cache_queried_tokens_total: int = _count("jaxcpp_prefix_cache_queries",
+                                                        "prompt tokens looked up in the prefix cache", 0)
+    num_prefix_cache_hit_tokens_total: int = _count("jaxcpp_prefix_cache_hits",
+                                                    "prompt tokens the prefix cache supplied", 0)
+    num_pages_cached: int = _count("jaxcpp_kv_cache_pages_cached", "KV-cache pages holding a cached prefix "
+                                   "nobody holds (evictable; counted as free)", 0)
+    num_prefix_cache_evictions_total: int = _count("jaxcpp_prefix_cache_evictions", "cached KV pages evicted", 0)
+
+    @staticmethod
+    def count_fields() -> tuple[Field[Any], ...]:
+        """Every count (all fields but dynamic_chunking), in declaration order."""
+        return tuple(f for f in fields(EngineStats) if f.name != "dynamic_chunking")
+
+    def counts(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in self.count_fields()}
+
+    @staticmethod
+    def from_counts(source: Any, dynamic_chunking: dict[str, Any]) -> EngineStats:
+        """From anything with the counts as attributes (the gRPC message)."""
+        return EngineStats(**{f.name: getattr(source, f.name) for f in EngineStats.count_fields()},
+                           dynamic_chunking=dynamic_chunking)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
