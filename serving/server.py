@@ -91,10 +91,9 @@ def prompt_from_proto(request: pb.GenerateRequest, max_prompt_bytes: int) -> str
         if len(text) > max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > max_prompt_bytes:
             raise InvalidRequestError("text", f"prompt text is over --max-prompt-bytes {max_prompt_bytes} "
                                       "(UTF-8 bytes)")
-    prompt: str | list[int] = request.text if kind == "text" else list(request.token_ids.ids)
-    if kind is None or not prompt:
-        raise InvalidRequestError("prompt", "must not be empty: set `text` or `token_ids`")
-    return prompt
+    if kind is None:  # an empty one is the engine's to refuse (`check_request`), as for every front end
+        raise InvalidRequestError("prompt", "must be set: `text` or `token_ids`")
+    return request.text if kind == "text" else list(request.token_ids.ids)
 
 
 def request_id_from_proto(request: pb.GenerateRequest) -> str:

@@ -128,7 +128,7 @@ class LLMEngine:
     def _encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model folder has no tokenizer.json: send token ids")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt) if prompt else []  # empty text is an empty prompt, BOS or not
 
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """End a request now and free its pages; `reason` "stop" when the edge matched a stop string."""
@@ -282,8 +282,9 @@ class LLMEngine:
 
 def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSizing,
                   scheduler: SchedulerConfig) -> None:
-    """Refuse a request the engine cannot run, naming the field (`InvalidRequestError`). Needs only the
-    sizing, so `jaxcpp generate` checks its prompt before it loads the model and compiles."""
+    """Refuse a request the engine cannot run, naming the field (`InvalidRequestError`): the one place
+    these checks are made, for every front end (an empty prompt included). Needs only the sizing, so
+    `jaxcpp generate` checks its prompt before it loads the model and compiles."""
     max_len, vocab = sizing.max_model_len, sizing.spec.config.vocab_size
     if not token_ids:
         raise InvalidRequestError("prompt", "is empty")
