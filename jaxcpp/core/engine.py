@@ -34,7 +34,7 @@ from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
-from jaxcpp.core.scheduler import ChunkSizer, FixedChunkSizer, Scheduler, SchedulerOutput, StopRule
+from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
 from jaxcpp.core.sequence import Sequence
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.stats_logger import StatsLogger
@@ -64,12 +64,13 @@ class LLMEngine:
         self.tokenizer = self.sizing.spec.tokenizer
         self.executor: Executor = executor
         self.allocator = PageAllocator(self.sizing.num_pages)
-        self.chunking: ChunkSizer = self._build_chunk_sizer()
+        self.chunking = self._build_chunk_controller()  # None: fixed chunks (Sarathi's rule)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.sizing.page_size, self.chunking,
                                    StopRule(self.sizing.eos_token_ids, self.sizing.max_model_len),
                                    prefix_caching=config.cache.enable_prefix_caching)
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
-        self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
+        if self.chunking is not None:
+            self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
         self._frozen = built_here if freeze_heap is None else freeze_heap
         if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.core.gc_heap)
@@ -86,9 +87,9 @@ class LLMEngine:
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
                  self.allocator.num_usable, self.sizing.page_size)
 
-    def _build_chunk_sizer(self) -> ChunkSizer:
+    def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.chunking.enable_dynamic_chunking:
-            return FixedChunkSizer()
+            return None
         return DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
                                                   max_model_len=self.sizing.max_model_len)
 
@@ -161,7 +162,7 @@ class LLMEngine:
     def _log_stats(self, busy_s: float) -> None:
         self._stats.add_busy(busy_s)
         if self._stats.due():
-            self._stats.log(self.stats(), self.chunking.report())
+            self._stats.log(self.stats(), self.chunking.report() if self.chunking is not None else None)
 
     def _pipe_has_room(self) -> bool:
         return self._in_flight.has_room()
@@ -266,7 +267,7 @@ class LLMEngine:
             num_prompt_tokens_total=self._stats.prompt_tokens_total,
             num_generation_tokens_total=self._stats.generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
-            dynamic_chunking=self.chunking.stats(),
+            dynamic_chunking=self.chunking.stats() if self.chunking is not None else {"state": "off"},
             num_prefix_cache_queried_tokens_total=self.scheduler.prefix_queried_tokens,
             num_prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             num_pages_cached=self.allocator.num_cached,

@@ -36,9 +36,9 @@ forwards the step's timing and the finished requests to the chunk sizer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from jaxcpp.config import SchedulerConfig
 from jaxcpp.core.executor import Logprobs, StepResult
@@ -65,8 +65,10 @@ class ChunkRequest(Protocol):
 
 
 class ChunkSizer(Protocol):
-    """Dynamic chunking's one seam: how many prompt tokens a prefilling sequence takes this step, and
-    what it learns from the steps that ran (`jaxcpp.chunking.controller.DynamicChunkController`)."""
+    """Dynamic chunking's one seam with the scheduler, and all the scheduler asks of it: how many prompt
+    tokens a prefilling sequence takes this step, and what it learns from the steps that ran
+    (`jaxcpp.chunking.controller.DynamicChunkController`; its start-up sweep and its stats are the
+    engine's business with the controller, not the scheduler's)."""
 
     @property
     def needs_ack(self) -> bool: ...
@@ -79,12 +81,6 @@ class ChunkSizer(Protocol):
                       request_id: Hashable) -> None: ...
 
     def finish_request(self, request_id: Hashable) -> None: ...
-
-    def run_startup_sweep(self, forward: Callable[[int], float]) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def report(self) -> str | None: ...
 
 
 class FixedChunkSizer:
@@ -104,15 +100,6 @@ class FixedChunkSizer:
 
     def finish_request(self, request_id: Hashable) -> None:
         pass
-
-    def run_startup_sweep(self, forward: Callable[[int], float]) -> None:
-        pass
-
-    def stats(self) -> dict[str, Any]:
-        return {"state": "off"}
-
-    def report(self) -> str | None:
-        return None
 
 
 @dataclass(frozen=True)
