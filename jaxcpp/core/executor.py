@@ -55,7 +55,7 @@ class StageTiming:
 
     step_id: int
     stage: int
-    num_tokens: int       # the padded token count that ran (the bucket)
+    num_tokens_padded: int  # the padded token count that ran (the bucket)
     traced: bool          # False for warm-up batches
     dispatched: float
     inputs_ready: float

@@ -55,7 +55,7 @@ def fake_tokens(step: StepInput, next_token: NextToken = printable_next_token, e
     tokens = np.zeros(step.kv_lens.shape, np.int32)
     for i in range(int(step.num_seqs)):
         row = int(step.logits_indices[i])
-        generated = int(step.steps[i])
+        generated = int(step.num_generated[i])
         if eos_after is not None and generated + 1 == eos_after:
             assert eos_token_id is not None, "eos_after needs eos_token_id"
             tokens[i] = eos_token_id

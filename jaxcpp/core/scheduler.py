@@ -212,7 +212,7 @@ class Scheduler:
         chunk = sched.chunks[0]
         if chunk.start >= len(chunk.seq.prompt_token_ids):
             return  # a decode
-        self.chunk_sizer.record_timing(result.timings[0].num_tokens, chunk.start, seconds, True,
+        self.chunk_sizer.record_timing(result.timings[0].num_tokens_padded, chunk.start, seconds, True,
                                        chunk.seq.request_id)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -238,7 +238,7 @@ class Scheduler:
                 continue
             if not self._make_room(seq, 1, out):
                 continue  # seq itself was preempted
-            self._take(out, seq, 1, feedback_row=seq.pending_row if placeholder else -1)
+            self._take(out, seq, 1, feedback_row=seq.feedback_row if placeholder else -1)
             out.num_decodes += 1
             budget_left -= 1
         return budget_left

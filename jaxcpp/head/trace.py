@@ -51,9 +51,9 @@ class TraceWriter:
         """One stage's forward of one step (thread-safe; called from the watcher threads)."""
         self._write({
             "ph": "X", "pid": 0, "tid": t.stage, "cat": "forward",
-            "name": f"step {t.step_id} ({t.num_tokens} tok)",
+            "name": f"step {t.step_id} ({t.num_tokens_padded} tok)",
             "ts": self._us(t.start), "dur": round(t.forward * 1e6, 3),
-            "args": {"step": t.step_id, "stage": t.stage, "num_tokens": t.num_tokens,
+            "args": {"step": t.step_id, "stage": t.stage, "num_tokens_padded": t.num_tokens_padded,
                      "dispatched_us": self._us(t.dispatched), "inputs_ready_us": self._us(t.inputs_ready)},
         })
 

@@ -71,7 +71,7 @@ class PromptLogprobs(NamedTuple):
     top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
 
 
-ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p", "presence_penalty",
+ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "num_generated", "min_p", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "history_slot", "clear_slot", "banned_ids",
               "wants_logprobs")
 TOKEN_FIELDS = ("token_ids", "prompt_slot")

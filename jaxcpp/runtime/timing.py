@@ -44,7 +44,7 @@ class DispatchedStage:
 
     step_id: int
     stage: int
-    num_tokens: int               # padded token count (the bucket)
+    num_tokens_padded: int        # padded token count (the bucket)
     ack: bool                     # the head waits for this batch's acknowledgement (every stage agrees)
     traced: bool                  # False for warm-up batches
     dispatched: float             # perf_counter() when the stage's program was dispatched
@@ -119,7 +119,7 @@ class TimingRecorder:
                 continue
             start = max(inputs_ready, item.dispatched, last_done)
             last_done = done
-            self._record(StageTiming(item.step_id, stage, item.num_tokens, item.traced, item.dispatched,
+            self._record(StageTiming(item.step_id, stage, item.num_tokens_padded, item.traced, item.dispatched,
                                      inputs_ready, start, done))
 
     def _record(self, timing: StageTiming) -> None:

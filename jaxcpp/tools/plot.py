@@ -53,7 +53,7 @@ def plot_measured_vs_predicted(timings: Sequence[StageTiming], model: LatencyMod
     first = min(t.step_id for t in timings)
     measured = SimResult(ttft={"lone": max(t.done for t in timings) - t0},
                          spans=[StageSpan(t.step_id - first, t.stage, t.start - t0, t.done - t0,
-                                          (("lone", 0, t.num_tokens),)) for t in timings])
+                                          (("lone", 0, t.num_tokens_padded),)) for t in timings])
     weights = stage_weights or (1.0,) * num_stages
     done = [[0.0] * len(chunks) for _ in weights]
     spans, prefix = [], 0

@@ -68,7 +68,7 @@ def test_ack_returns_every_stages_timing_at_collect(executor):
     assert [t.stage for t in mine] == [0, 1]
     assert all(t.dispatched <= t.start <= t.done for t in mine)
     assert max(t.forward for t in mine) == seconds
-    assert all(t.num_tokens == 64 for t in mine)  # the padded size that ran
+    assert all(t.num_tokens_padded == 64 for t in mine)  # the padded size that ran
 
 
 def test_timings_reach_the_history_later_without_ack(executor):
@@ -108,7 +108,7 @@ def test_long_prompt_chunks_overlap_on_different_stages(make_pp_llm, random_mode
     boxes = {(e["args"]["step"], e["tid"]): e for e in events if e.get("cat") == "forward"}
     step_ids = sorted({t for t, _ in boxes})
     assert all((t, s) in boxes for t in step_ids for s in range(4))  # warm-up is not traced
-    chunks = [t for t in step_ids if boxes[(t, 0)]["args"]["num_tokens"] == 128]
+    chunks = [t for t in step_ids if boxes[(t, 0)]["args"]["num_tokens_padded"] == 128]
     assert len(chunks) == 4  # 128 + 128 + 128 + 116 prompt tokens
 
     def end(e):
