@@ -176,7 +176,6 @@ class LLMEngine:
             return False
         with phase("build"):
             step = build_step_input(sched, self.sizing.shape)
-        self._in_flight.append(sched, sched.samples)
         try:
             with phase("dispatch"):
                 self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
@@ -184,8 +183,10 @@ class LLMEngine:
                                      want_logprobs=sched.wants_logprobs,
                                      want_prompt_logprobs=sched.wants_prompt_logprobs)
         except ExecutorError:
-            self._released.add(sched.step_id)  # never submitted: it fails with those in flight
+            self._in_flight.append(sched, sched.samples)  # never submitted: it fails with those in flight
+            self._released.add(sched.step_id)
             raise
+        self._in_flight.append(sched, sched.samples)
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
