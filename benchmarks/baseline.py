@@ -40,8 +40,8 @@ def module_at_revision(path: str, revision: str) -> ModuleType:
 def use_ladder_at(revision: str) -> None:
     """Make the engines built from now on use the bucket ladder of `revision`: its token buckets, and its
     decode-only rungs (none before there were any)."""
-    import jaxcpp.sizing as sizing
+    import jaxcpp.core.sizing as sizing
 
-    old = module_at_revision("jaxcpp/buckets.py", revision)
+    old = module_at_revision("jaxcpp/core/buckets.py", revision)
     sizing.token_buckets = old.token_buckets
     sizing.decode_buckets = getattr(old, "decode_buckets", lambda max_num_seqs, page_size: [])

@@ -12,7 +12,7 @@ temporary folder (cold), waits until the standard gRPC health service answers SE
 (SIGTERM), then starts it again on the same folder (warm). It prints the time to SERVING, the warm-up
 total and the per-program compile times the log reports ("compiled bucket i/N: T tokens (s)"), and the
 medians over `--runs`. `--baseline REV` alternates with a `jaxcpp serve` whose bucket ladder
-(jaxcpp/buckets.py) and XLA attention path (kernels/ragged_paged_attention.py) are those of git
+(jaxcpp/core/buckets.py) and XLA attention path (kernels/ragged_paged_attention.py) are those of git
 revision REV, everything else current.
 
 `--profile`: builds the engine in this process (what `serve` does before it listens) with JAX's
@@ -185,7 +185,7 @@ def profile_child(args: argparse.Namespace) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     engine_config = engine_config_from_args(parser.parse_args(["--model", "tiny", *shlex.split(args.serve_args)]))
-    from jaxcpp.engine import LLMEngine
+    from jaxcpp.core.engine import LLMEngine
 
     t1 = time.perf_counter()
     engine = LLMEngine(engine_config)

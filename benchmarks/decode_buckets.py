@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode_buckets.py [--workload mixed] [--max-num-batched-tokens 512] [--repeat 3]
 
-One engine has the decode-only rungs (8, 16, 32: `jaxcpp.buckets.decode_buckets`), the other is built
+One engine has the decode-only rungs (8, 16, 32: `jaxcpp.core.buckets.decode_buckets`), the other is built
 with none, as before they existed; everything else is the same code. Each run is timed end to end,
 and every step's device time comes from the executor's per-stage watchers (`StageTiming`). Decode-only
 steps are grouped by how many sequences they carried (1-8, 9-16, 17-32, 33-64: the rung each takes),
@@ -23,7 +23,7 @@ BANDS = ((8, "1-8"), (16, "9-16"), (32, "17-32"), (64, "33-64"))
 
 
 def build(args: argparse.Namespace, rungs: bool, max_model_len: int):  # type: ignore[no-untyped-def]
-    import jaxcpp.sizing as sizing
+    import jaxcpp.core.sizing as sizing
     from jaxcpp import LLM
 
     saved = sizing.decode_buckets
@@ -42,10 +42,9 @@ def run_once(llm, prompts: list[list[int]], params: list) -> tuple[float, dict[s
     shapes: dict[int, tuple[int, int]] = {}
     submit = executor.submit
 
-    def recording(step, *a, **kw):  # type: ignore[no-untyped-def]
-        ticket = submit(step, *a, **kw)
-        shapes[ticket] = (int(step.num_seqs), int(step.num_decodes))
-        return ticket
+    def recording(step_id, step, *a, **kw):  # type: ignore[no-untyped-def]
+        shapes[step_id] = (int(step.num_seqs), int(step.num_decodes))
+        return submit(step_id, step, *a, **kw)
 
     executor.submit = recording
     t0 = time.perf_counter()
@@ -55,8 +54,8 @@ def run_once(llm, prompts: list[list[int]], params: list) -> tuple[float, dict[s
     time.sleep(0.3)  # the watchers record the last step
     kinds: dict[str, list[float]] = defaultdict(list)
     for t in executor.timings():
-        if t.ticket in shapes:
-            seqs, decodes = shapes[t.ticket]
+        if t.step_id in shapes:
+            seqs, decodes = shapes[t.step_id]
             kind = next(name for top, name in BANDS if seqs <= top) if seqs == decodes else "with chunks"
             kinds[kind].append(1e3 * t.forward)
     return wall, kinds

@@ -32,7 +32,7 @@ def build(async_scheduling: bool, args: argparse.Namespace, revision: str | None
     if revision:  # this engine only: the ladder of `revision`
         from baseline import use_ladder_at
 
-        import jaxcpp.sizing as sizing
+        import jaxcpp.core.sizing as sizing
 
         saved = sizing.token_buckets, sizing.decode_buckets
         use_ladder_at(revision)
@@ -62,13 +62,13 @@ def run_once(llm, phases: list, batch: int, args: argparse.Namespace, seed: int)
     prompts = [rng.integers(3, 250, 16).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     executor = llm.engine.executor
-    first_ticket = executor._next_ticket
+    first_step = llm.engine.scheduler.num_steps
     phases.clear()
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
     wall = time.perf_counter() - t0
     time.sleep(0.2)  # let the watchers record the last step
-    timings = sorted((t for t in executor.timings() if t.ticket >= first_ticket), key=lambda t: t.ticket)
+    timings = sorted((t for t in executor.timings() if t.step_id >= first_step), key=lambda t: t.step_id)
     span = timings[-1].done - timings[0].start
     pairs = list(zip(timings, timings[1:], strict=False))
     gaps = sum(max(0.0, b.start - a.done) for a, b in pairs)

@@ -20,7 +20,8 @@ def forwards_by_step(path: str) -> dict[int, dict[int, dict]]:
     steps: dict[int, dict[int, dict]] = {}
     for event in events:
         if event.get("cat") == "forward":
-            steps.setdefault(event["args"]["ticket"], {})[event["args"]["stage"]] = event
+            step = event["args"].get("step", event["args"].get("ticket"))  # "ticket" in traces before step ids
+            steps.setdefault(step, {})[event["args"]["stage"]] = event
     return steps
 
 

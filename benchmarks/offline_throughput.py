@@ -46,10 +46,10 @@ def record_step_tokens(llm) -> list[tuple[int, int, bool]]:
     steps: list[tuple[int, int, bool]] = []
     submit = llm.engine.executor.submit
 
-    def recording_submit(step, *a, **kw):
+    def recording_submit(step_id, step, *a, **kw):
         decode_only = int(step.num_decodes) == int(step.num_seqs)
         steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded, decode_only))  # padding repeats the end
-        return submit(step, *a, **kw)
+        return submit(step_id, step, *a, **kw)
 
     llm.engine.executor.submit = recording_submit
     return steps
@@ -152,7 +152,7 @@ def jaxcpp_child(spec: str) -> None:
 
 def price_decode_ladders(run: dict, ladders: list[list[int]], args: argparse.Namespace) -> None:
     """The recorded steps' padding share on the token buckets with each decode-only ladder."""
-    from jaxcpp.buckets import padding_share, token_buckets
+    from jaxcpp.core.buckets import padding_share, token_buckets
 
     real = [n for n, _, _ in run["step_tokens"]]
     decode_only = [d for _, _, d in run["step_tokens"]]

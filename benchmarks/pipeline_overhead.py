@@ -16,6 +16,7 @@ executor (no probes; its `collect` reads the tokens, so it includes the forward)
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -30,13 +31,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxcpp.config import EngineConfig  # noqa: E402
+from jaxcpp.core.sizing import EngineSizing  # noqa: E402
+from jaxcpp.core.step_input import padding_step  # noqa: E402
 from jaxcpp.models.checkpoint import save_hf  # noqa: E402
 from jaxcpp.models.config import LlamaConfig  # noqa: E402
 from jaxcpp.models.llama import init_params  # noqa: E402
 from jaxcpp.models.spec import resolve_model_spec  # noqa: E402
-from jaxcpp.runtime.factory import build_executor  # noqa: E402
-from jaxcpp.sizing import EngineSizing  # noqa: E402
-from jaxcpp.step_input import padding_step  # noqa: E402
+from jaxcpp.runtime.factory import build_inproc_executor  # noqa: E402
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]
 WARM = 20
@@ -54,6 +55,9 @@ def us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
+STEP_IDS = itertools.count()  # every step submitted here has an id of its own
+
+
 def steady_loop(executor, step, steps: int) -> float:
     """Median seconds per micro-batch with the pipe kept full and every step's tokens read."""
     in_flight, laps = [], []
@@ -61,7 +65,9 @@ def steady_loop(executor, step, steps: int) -> float:
         t0 = time.perf_counter()
         if len(in_flight) == executor.max_in_flight:
             _ = executor.collect(in_flight.pop(0)).tokens
-        in_flight.append(executor.submit(step))
+        step_id = next(STEP_IDS)
+        executor.submit(step_id, step)
+        in_flight.append(step_id)
         if i >= WARM:
             laps.append(time.perf_counter() - t0)
     while in_flight:
@@ -75,9 +81,10 @@ def idle_submits(executor, step, steps: int) -> tuple[list[float], list[float]]:
     for i in range(WARM + steps):
         time.sleep(0.003)  # the previous batch's watchers have gone back to sleep
         t0 = time.perf_counter()
-        ticket = executor.submit(step, want_tokens=False)  # as a middle prefill chunk: collect never waits
+        step_id = next(STEP_IDS)
+        executor.submit(step_id, step, want_tokens=False)  # as a middle prefill chunk: collect never waits
         t1 = time.perf_counter()
-        executor.collect(ticket)
+        executor.collect(step_id)
         t2 = time.perf_counter()
         jax.block_until_ready(executor.stages[-1].kv)  # drain, so every submit starts from an idle pipe
         if i >= WARM:
@@ -94,7 +101,7 @@ def measure(model: str, pp: int, tp: int, steps: int, trace_dir: Path) -> dict[s
             kw["trace_file"] = str(trace_dir / f"trace_{pp}x{tp}.json")
         config = EngineConfig.from_kwargs(**kw)
         sizing = EngineSizing.plan(config, resolve_model_spec(model, "float32"))
-        executor = build_executor(config, sizing)
+        executor = build_inproc_executor(config, sizing)
         executor.warmup(sizing.shape)
         return executor, padding_step(64, sizing.shape)
 

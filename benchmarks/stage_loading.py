@@ -22,11 +22,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+from jaxcpp.core.sizing import stage_layers  # noqa: E402
 from jaxcpp.models.checkpoint import load_stage_params, save_hf, save_orbax  # noqa: E402
 from jaxcpp.models.config import LlamaConfig  # noqa: E402
 from jaxcpp.models.llama import init_params  # noqa: E402
 from jaxcpp.models.spec import resolve_model_spec  # noqa: E402
-from jaxcpp.sizing import stage_layers  # noqa: E402
 
 
 def _status_kib(key: str) -> int:

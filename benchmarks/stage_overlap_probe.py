@@ -25,11 +25,11 @@ def main() -> None:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     llm.generate(prompt_token_ids=[prompt(1024, 9)], sampling_params=params)  # untimed
     ex = llm.engine.executor
-    first = ex._next_ticket
+    first = llm.engine.scheduler.num_steps
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=[prompt(4096, 1), prompt(4096, 2)], sampling_params=params)
     wall = time.perf_counter() - t0
-    timings = [t for t in ex.timings() if t.ticket >= first]
+    timings = [t for t in ex.timings() if t.step_id >= first]
     for s in (0, 1):
         forwards = [t.forward for t in timings if t.stage == s]
         print(f"stage {s}: {len(forwards)} micro-batches, forward sum {sum(forwards):.2f}s")

@@ -134,13 +134,13 @@ def part_ttft(args: argparse.Namespace) -> dict:
         times, chunks = [], []
         for _ in range(args.reps):
             seen.clear()
-            first_ticket = dyn.engine.executor._next_ticket
+            first_step = dyn.engine.scheduler.num_steps
             times.append(ttft_of(dyn, long))
             chunks = list(seen)
         rows.append({"policy": policy, "chunks": chunks, "measured": times,
                      "predicted": predicted_ttft(model, chunks, 2, weights)})
         if policy == "equal-latency" and args.png:
-            last = [t for t in dyn.engine.executor.timings() if t.ticket >= first_ticket]
+            last = [t for t in dyn.engine.executor.timings() if t.step_id >= first_step]
             from jaxcpp.tools.plot import plot_measured_vs_predicted
 
             plot_measured_vs_predicted(last, model, chunks, 2, args.png, "lone prompt, equal-latency chunks, PP 2",

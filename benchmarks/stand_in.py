@@ -154,18 +154,18 @@ def plot(llm, row: dict, model, pp: int, args: argparse.Namespace) -> None:  # t
     from jaxcpp.tools.plot import plot_measured_vs_predicted
 
     executor = llm.engine.executor
-    first = executor._next_ticket
+    first = llm.engine.scheduler.num_steps
     run_prompts(llm, [prompt(row["len"], 99)])
-    timings = [t for t in executor.timings() if t.ticket >= first]
+    timings = [t for t in executor.timings() if t.step_id >= first]
     plot_measured_vs_predicted(timings, model, row["chunks"], pp, args.png,
                                f"stand-in device, {row['len']} tokens alone, optimal chunks, PP {pp} "
                                f"(times x{args.scale})")
 
 
 def concurrency_rows(args: argparse.Namespace, pp: int) -> list[dict]:
-    from jaxcpp.buckets import token_buckets
     from jaxcpp.chunking.controller import DynamicChunkController
     from jaxcpp.chunking.planner import ChunkSettings
+    from jaxcpp.core.buckets import token_buckets
     from jaxcpp.tools.simulator import FixedPolicy, Pipeline, SimRequest, simulate
 
     n, levels, rows = args.lens[0], (2, 4, 8), []

@@ -10,8 +10,8 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from jaxcpp.core.outputs import RequestOutput
     from jaxcpp.llm import LLM
-    from jaxcpp.outputs import RequestOutput
     from jaxcpp.sampling_params import SamplingParams
 
 
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return SamplingParams
     if name == "RequestOutput":
-        from jaxcpp.outputs import RequestOutput
+        from jaxcpp.core.outputs import RequestOutput
 
         return RequestOutput
     raise AttributeError(f"module 'jaxcpp' has no attribute {name!r}")

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.executor import Executor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.executor import Executor
+from jaxcpp.core.outputs import RequestOutput
 from jaxcpp.logs import show_startup_progress
 from jaxcpp.output_processor import RequestState, SampleStream, needs_abort
-from jaxcpp.outputs import RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 
 
@@ -24,7 +24,7 @@ class LLM:
     def __init__(self, model: str = "tiny", *, record_logits: bool = False, executor: Executor | None = None,
                  **engine_kwargs: Any) -> None:
         """Keyword arguments are engine flags by their field names (`max_num_batched_tokens=512`);
-        `executor` replaces the real one (e.g. `jaxcpp.fake_executor.FakeExecutor`)."""
+        `executor` replaces the real one (e.g. `jaxcpp.core.fake_executor.FakeExecutor`)."""
         self._start(EngineConfig.from_kwargs(model=model, **engine_kwargs), record_logits, executor)
 
     @classmethod

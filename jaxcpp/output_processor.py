@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxcpp.outputs import RequestOutput, TokenLogprobs
+from jaxcpp.core.outputs import RequestOutput, TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -76,7 +76,7 @@ class SampleStream:
             return None
         new_ids = list(out.new_token_ids)
         self.token_ids += new_ids
-        new_logprobs = out.logprobs[len(out.logprobs) - len(new_ids):] if out.logprobs is not None else None
+        new_logprobs = list(out.logprobs) if out.logprobs is not None else None  # of new_ids
         if new_logprobs is not None:
             self.logprobs += new_logprobs
         self._add_text(out, new_ids)

@@ -6,7 +6,7 @@ the field. Names and defaults follow vLLM's `SamplingParams`. What runs where:
 
     on the device (jaxcpp.runtime.sampler)  penalties, min_tokens' ban of stop ids, temperature, min_p,
                                             top_k, top_p, the draw, logprobs and top logprobs
-    in the engine (jaxcpp.scheduler)        max_tokens, stop_token_ids, ignore_eos, min_tokens
+    in the engine (jaxcpp.core.scheduler)        max_tokens, stop_token_ids, ignore_eos, min_tokens
     at the edge (jaxcpp.output_processor)   n (one engine request per sample), stop strings, text
 """
 

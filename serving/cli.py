@@ -24,8 +24,8 @@ from typing import Any
 
 from jaxcpp.cli_args import add_config_args, add_engine_args, engine_config_from_args, server_config_from_args
 from jaxcpp.config import API_KEY_ENV, ConfigError, ServerConfig
+from jaxcpp.core.executor import ExecutorError
 from jaxcpp.errors import InvalidRequestError, ModelLoadError
-from jaxcpp.executor import ExecutorError
 from jaxcpp.logs import configure_cli_logging
 from jaxcpp.tools.chunk_plan import add_parser as add_chunk_plan_parser
 
@@ -115,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.is_multi_host:
-        from jaxcpp.runtime.cluster import shared_control_key
+        from jaxcpp.head.cluster import shared_control_key
 
         shared_control_key()  # before anything starts: refused without a shared key (ConfigError)
         if engine_config.parallel.process_id:  # a stage worker
@@ -127,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     resolve_model_spec(engine_config.model.model, engine_config.model.dtype)  # a bad folder fails before listening
 
     def build_engine() -> Any:  # in a worker thread, while health answers NOT_SERVING
-        from jaxcpp.engine import LLMEngine
+        from jaxcpp.core.engine import LLMEngine
 
         return LLMEngine(engine_config)
 
@@ -176,7 +176,7 @@ def _addresses(server: Any) -> str:
 def _serve_stage(parallel: Any) -> int:
     """Host I > 0 of a multi-host pipeline: run stage I for the head (process 0), which owns the
     engine and the gRPC server and sends this process its config; exits when the head stops it."""
-    from jaxcpp.runtime.cluster import Addresses
+    from jaxcpp.head.cluster import Addresses
     from jaxcpp.runtime.stage_process import serve_stage
 
     addresses = Addresses.of(parallel)
@@ -262,9 +262,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--prompt", "give a prompt: --prompt TEXT, --prompt-file PATH (or -), "
                                   "or --prompt-token-ids 1,2,3")
     from jaxcpp import LLM, SamplingParams
-    from jaxcpp.engine import check_request
+    from jaxcpp.core.engine import check_request
+    from jaxcpp.core.sizing import EngineSizing
     from jaxcpp.models.spec import resolve_model_spec
-    from jaxcpp.sizing import EngineSizing
 
     params = SamplingParams(**_sampling_kwargs(args))
     sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))

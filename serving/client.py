@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxcpp.outputs import EngineStats, ModelInfo
+from jaxcpp.core.outputs import EngineStats, ModelInfo
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 
@@ -171,16 +171,7 @@ def _model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
 
 
 def _server_stats(msg: pb.GetServerStatsResponse) -> ServerStats:
-    engine = EngineStats(
-        num_running=msg.num_running, num_waiting=msg.num_waiting, num_pages_used=msg.num_pages_used,
-        num_pages_free=msg.num_pages_free, num_pages_total=msg.num_pages_total,
-        num_compilations_since_warmup=msg.num_compilations_since_warmup,
-        num_prompt_tokens_total=msg.num_prompt_tokens_total,
-        num_generation_tokens_total=msg.num_generation_tokens_total,
-        num_preemptions_total=msg.num_preemptions_total, dynamic_chunking=dict(msg.dynamic_chunking.values),
-        num_prefix_cache_queried_tokens_total=msg.num_prefix_cache_queried_tokens_total,
-        num_prefix_cache_hit_tokens_total=msg.num_prefix_cache_hit_tokens_total,
-        num_pages_cached=msg.num_pages_cached, num_prefix_cache_evictions_total=msg.num_prefix_cache_evictions_total)
+    engine = EngineStats.from_counts(msg, dict(msg.dynamic_chunking.values))
     return ServerStats(engine=engine, num_in_flight=msg.num_in_flight, max_queue_size=msg.max_queue_size,
                        uptime_s=msg.uptime_s, dynamic_chunking_labels=dict(msg.dynamic_chunking.labels))
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestOutput
 from jaxcpp.output_processor import RequestState
-from jaxcpp.outputs import EngineStats, ModelInfo, RequestOutput
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.metrics import ServingMetrics
 
@@ -34,7 +34,7 @@ _STATS_INTERVAL_S = 0.05  # refresh the metrics' stats snapshot at most this oft
 
 
 class Engine(Protocol):
-    """What the server needs from `jaxcpp.engine.LLMEngine` (tests run it on a fake executor)."""
+    """What the server needs from `jaxcpp.core.engine.LLMEngine` (tests run it on a fake executor)."""
 
     tokenizer: Any
 
@@ -45,6 +45,7 @@ class Engine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> EngineStats: ...
     def model_info(self) -> ModelInfo: ...
+    def add_failure_listener(self, callback: Callable[[BaseException], None]) -> None: ...
     def close(self) -> None: ...
 
 

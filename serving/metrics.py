@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jaxcpp.outputs import EngineStats, RequestOutput
+from jaxcpp.core.outputs import EngineStats, RequestOutput
 
 # Seconds; TTFT spans a decode step on a GPU up to a long CPU prefill.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -47,34 +47,19 @@ class _StatsCollector(Collector):
                                 value=in_flight)
         if stats is None:
             return
-        gauges: dict[str, tuple[str, float]] = {
-            "jaxcpp_requests_running": ("requests the engine is running", stats.num_running),
-            "jaxcpp_requests_waiting": ("requests in the engine waiting for pages", stats.num_waiting),
-            "jaxcpp_kv_cache_pages_used": ("KV-cache pages in use", stats.num_pages_used),
-            "jaxcpp_kv_cache_pages_free": ("KV-cache pages free", stats.num_pages_free),
+        for f in EngineStats.count_fields():  # one metric per count that names one (`EngineStats`)
+            name, doc, value = f.metadata["metric"], f.metadata["doc"], getattr(stats, f.name)
+            if name:
+                family = CounterMetricFamily if f.name.endswith("_total") else GaugeMetricFamily
+                yield family(name, doc, value=value)
+        derived = {
             "jaxcpp_kv_cache_usage_ratio": ("fraction of KV-cache pages in use",
                                             stats.num_pages_used / max(stats.num_pages_total, 1)),
-            "jaxcpp_compilations_since_warmup": ("XLA compilations after warm-up (should stay 0)",
-                                                 stats.num_compilations_since_warmup),
-            "jaxcpp_kv_cache_pages_cached": ("KV-cache pages holding a cached prefix nobody holds "
-                                             "(evictable; counted as free)", stats.num_pages_cached),
             "jaxcpp_prefix_cache_hit_rate": ("prefix-cache hit tokens / queried tokens since start",
                                              stats.prefix_cache_hit_rate),
         }
-        for name, (doc, value) in gauges.items():
+        for name, (doc, value) in derived.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "jaxcpp_prompt_tokens": ("prompt tokens processed", stats.num_prompt_tokens_total),
-            "jaxcpp_generation_tokens": ("tokens generated", stats.num_generation_tokens_total),
-            "jaxcpp_preemptions": ("requests preempted", stats.num_preemptions_total),
-            "jaxcpp_prefix_cache_queries": ("prompt tokens looked up in the prefix cache",
-                                            stats.num_prefix_cache_queried_tokens_total),
-            "jaxcpp_prefix_cache_hits": ("prompt tokens the prefix cache supplied",
-                                         stats.num_prefix_cache_hit_tokens_total),
-            "jaxcpp_prefix_cache_evictions": ("cached KV pages evicted", stats.num_prefix_cache_evictions_total),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
         dynamic = GaugeMetricFamily("jaxcpp_dynamic_chunking", "dynamic chunking state and counters, by name",
                                     labels=["name"])
         labels = GaugeMetricFamily("jaxcpp_dynamic_chunking_info", "dynamic chunking textual state "
@@ -122,7 +107,7 @@ class ServingMetrics:
             self.e2e.observe(m.e2e)
         for gap in m.itl:
             self.itl.observe(gap)
-        n = len(output.token_ids)
+        n = output.num_generated
         if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
 

@@ -40,10 +40,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxcpp
 from jaxcpp.config import ServerConfig
+from jaxcpp.core.executor import ExecutorError
+from jaxcpp.core.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import ExecutorError
 from jaxcpp.output_processor import RequestState, SampleDelta, SampleStream, needs_abort
-from jaxcpp.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.serving.chat_template import ChatTemplate, NoChatTemplateError
 from jaxcpp.serving.engine_loop import EngineFailedError, EngineLoop, OutputStream
 from jaxcpp.serving.metrics import ServingMetrics

@@ -48,10 +48,10 @@ from grpc_reflection.v1alpha import reflection
 
 import jaxcpp
 from jaxcpp.config import ServerConfig
+from jaxcpp.core.executor import ExecutorError
+from jaxcpp.core.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import ExecutorError
 from jaxcpp.output_processor import RequestState, SampleDelta, needs_abort
-from jaxcpp.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.chat_template import ChatTemplate, load_chat_template
 from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop, OutputStream
@@ -91,10 +91,9 @@ def prompt_from_proto(request: pb.GenerateRequest, max_prompt_bytes: int) -> str
         if len(text) > max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > max_prompt_bytes:
             raise InvalidRequestError("text", f"prompt text is over --max-prompt-bytes {max_prompt_bytes} "
                                       "(UTF-8 bytes)")
-    prompt: str | list[int] = request.text if kind == "text" else list(request.token_ids.ids)
-    if kind is None or not prompt:
-        raise InvalidRequestError("prompt", "must not be empty: set `text` or `token_ids`")
-    return prompt
+    if kind is None:  # an empty one is the engine's to refuse (`check_request`), as for every front end
+        raise InvalidRequestError("prompt", "must be set: `text` or `token_ids`")
+    return request.text if kind == "text" else list(request.token_ids.ids)
 
 
 def request_id_from_proto(request: pb.GenerateRequest) -> str:
@@ -222,30 +221,22 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         values, labels = split_dynamic_chunking(s.dynamic_chunking)
         return pb.GetServerStatsResponse(
-            num_running=s.num_running, num_waiting=s.num_waiting, num_pages_used=s.num_pages_used,
-            num_pages_free=s.num_pages_free, num_pages_total=s.num_pages_total,
-            num_compilations_since_warmup=s.num_compilations_since_warmup,
-            num_prompt_tokens_total=s.num_prompt_tokens_total,
-            num_generation_tokens_total=s.num_generation_tokens_total,
-            num_preemptions_total=s.num_preemptions_total, num_in_flight=len(self._in_flight) + self.others_in_flight(),
+            **s.counts(), num_in_flight=len(self._in_flight) + self.others_in_flight(),
             max_queue_size=self._config.max_queue_size,
             dynamic_chunking=pb.DynamicChunkingStats(values=values, labels=labels),
-            uptime_s=time.monotonic() - self._started,
-            num_prefix_cache_queried_tokens_total=s.num_prefix_cache_queried_tokens_total,
-            num_prefix_cache_hit_tokens_total=s.num_prefix_cache_hit_tokens_total,
-            num_pages_cached=s.num_pages_cached, num_prefix_cache_evictions_total=s.num_prefix_cache_evictions_total)
+            uptime_s=time.monotonic() - self._started)
 
     def _response(self, request_id: str, out: RequestOutput, delta: SampleDelta) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,
                                        index=delta.index, logprobs=_logprobs_proto(delta.logprobs))
-        if out.prompt_logprobs is not None and len(delta.token_ids) == len(out.token_ids):  # its first message
+        if out.prompt_logprobs is not None and len(delta.token_ids) == out.num_generated:  # its first message
             response.prompt_logprobs.extend(_logprobs_proto(out.prompt_logprobs))
         if delta.finished:
             m = out.metrics
             response.finish_reason = _FINISH_REASONS.get(delta.finish_reason or "",
                                                          pb.FINISH_REASON_UNSPECIFIED)
             response.num_prompt_tokens = len(out.prompt_token_ids)
-            response.num_generated_tokens = len(out.token_ids)
+            response.num_generated_tokens = out.num_generated
             response.ttft_s = m.ttft or 0.0
             response.e2e_s = m.e2e or (time.monotonic() - m.arrival_time)
             response.num_cached_tokens = out.num_cached_tokens
@@ -494,9 +485,7 @@ class Server:
     async def attach_engine(self, engine: Engine) -> None:
         """Start the engine thread on `engine`, open the service and turn health SERVING."""
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
-        listen = getattr(getattr(engine, "executor", None), "add_failure_listener", None)
-        if listen is not None:  # a stage process that dies while the engine idles is noticed too
-            listen(self._on_engine_failure)
+        engine.add_failure_listener(self._on_engine_failure)  # a stage that dies while the engine idles
         self.engine_loop.start()
         model_info = await asyncio.wrap_future(self.engine_loop.submit(engine.model_info))
         self.servicer.attach(self.engine_loop, model_info)

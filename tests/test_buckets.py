@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxcpp.buckets import padding_share
+from jaxcpp.core.buckets import padding_share
 
 
 def test_padding_share_counts_padded_tokens_over_computed_ones():

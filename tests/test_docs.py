@@ -76,7 +76,8 @@ def code_block_lines(text: str) -> list[str]:
 
 
 # a command line, not a program's output ("jaxcpp serve: error: ..."): the subcommand ends at a space
-BARE_COMMAND = re.compile(r"(?:^|&&|\||;)\s*(?:\$\s+)?(?:\w+=\S+\s+)*jaxcpp\s+(?:serve|client|generate|chunk-plan)(?=\s|$)")
+BARE_COMMAND = re.compile(r"(?:^|&&|\||;)\s*(?:\$\s+)?(?:\w+=\S+\s+)*"
+                          r"jaxcpp\s+(?:serve|client|generate|chunk-plan)(?=\s|$)")
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

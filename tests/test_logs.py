@@ -17,8 +17,8 @@ import logging
 logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu': no libtpu")
 logging.getLogger("absl").info("orbax-checkpoint version: 0.12.8")
 logging.getLogger("orbax.checkpoint").info("Created BasePyTreeCheckpointHandler")
-logging.getLogger("jaxcpp.engine").info("engine ready")
-logging.getLogger("jaxcpp.engine").debug("a debug line")
+logging.getLogger("jaxcpp.core.engine").info("engine ready")
+logging.getLogger("jaxcpp.core.engine").debug("a debug line")
 """
 
 
@@ -46,7 +46,7 @@ def test_cli_debug_shows_everything() -> None:
 
 def test_llm_startup_progress_shows_without_any_logging_setup() -> None:
     err = run("from jaxcpp.logs import show_startup_progress; show_startup_progress()")
-    assert "INFO jaxcpp.engine: engine ready" in err and "tpu" not in err and "orbax" not in err, err
+    assert "INFO jaxcpp.core.engine: engine ready" in err and "tpu" not in err and "orbax" not in err, err
     assert "a debug line" not in err
 
 

@@ -8,7 +8,7 @@ to count where each chunk came from, and caches `optimal` plans.
 
 Every chunk the solver picks is snapped DOWN to an allowed size: the largest compiled token bucket not
 above it when the engine passes its buckets, else a multiple of the alignment max(page_size, 64)
-(`jaxcpp.buckets.token_alignment`).
+(`jaxcpp.core.buckets.token_alignment`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from jaxcpp.buckets import token_alignment
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.config import DEFAULT_SMOOTH_FACTOR, EngineConfig
+from jaxcpp.core.buckets import token_alignment
 
 POLICIES = ("fixed", "equal-latency", "optimal")
 # A chunk whose γ·L prefix rebuild would exceed this share of its own latency is too small to pay off.

@@ -1,1 +1,1 @@
-"""Device side: KV cache arrays, step inputs, jitted stage programs, executors, sampler."""
+"""Device side (jax): a stage, its programs and sampler, the in-process executor, a stage's own process."""

@@ -1,4 +1,4 @@
-"""The device half of packing (see `jaxcpp.step_input.pack`): inside a stage's jitted program, the one
+"""The device half of packing (see `jaxcpp.core.step_input.pack`): inside a stage's jitted program, the one
 int32 buffer is cut back into the step's named arrays and bit-cast to their dtypes. The program reads
 the fields it needs and XLA drops the others."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxcpp.step_input import Layout
+from jaxcpp.core.step_input import Layout
 
 
 def unpack(buf: jax.Array, layout: Layout) -> dict[str, jax.Array]:

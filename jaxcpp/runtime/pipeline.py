@@ -1,49 +1,44 @@
 """The in-process executor: P stages on a ("pp", "tp") mesh, P micro-batches in flight (+1 queued; P = 1 too).
 
-    ticket = executor.submit(step)     # the step packed once, put on every stage in one device_put,
-                                       # then stage 0 .. P-1 dispatched in order, activations handed
-                                       # on with device_put; nothing here waits for a device
-    result = executor.collect(ticket)  # FIFO. Waits until the step has left the last stage, and for
-                                       # what it asked: its tokens, its logits, or with `ack` every
-                                       # stage's timing of it
+    executor.submit(step_id, step)      # the step packed once, put on every stage in one device_put,
+                                        # then stage 0 .. P-1 dispatched in order, activations handed
+                                        # on with device_put; nothing here waits for a device
+    result = executor.collect(step_id)  # waits until the step has left the last stage, and for what
+                                        # it asked: its tokens, its logits, or with `ack` every
+                                        # stage's timing of it
 
 Ordering is all JAX's: each stage's KV pages are donated, so a stage runs its micro-batches in
 submission order, and a stage's input is the previous stage's output, so a micro-batch runs its stages
 in order. On GPUs async dispatch lets stage 0 of batch k+1 run while stage 1 runs batch k (XLA:CPU
 does not overlap devices of one process). Per-stage watcher threads (`jaxcpp.runtime.timing`) time
 every stage of every micro-batch without blocking the loop; `--trace-file` streams those timings as a
-Chrome/Perfetto trace. The contract is `jaxcpp.executor`; see docs/pipeline.md.
+Chrome/Perfetto trace. The contract is `jaxcpp.core.executor`; see docs/pipeline.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.head.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput
+from jaxcpp.runtime.stage_ops import COMPILE_THREADS, compile_buckets, time_attention_free
 from jaxcpp.runtime.timing import DispatchedStage, TimingRecorder
-from jaxcpp.runtime.trace import TraceWriter
-from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
 
 log = logging.getLogger(__name__)
 
-# Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
-COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
-
 
 @dataclass
-class _InFlight:
-    ticket: int
+class _Submitted:
     output: StepOutput          # the last stage's (device) output
     want_tokens: bool
     want_logits: bool
@@ -62,8 +57,8 @@ class PipelineExecutor:
                  f"{','.join(str(d.id) for d in s.devices)}" for s in stages]
         self._trace = TraceWriter(trace_file, time.perf_counter(), names) if trace_file else None
         self._timing = TimingRecorder(len(stages), self._trace.add if self._trace else None)
-        self._pending: deque[_InFlight] = deque()
-        self._next_ticket = 0
+        self._submitted: dict[int, _Submitted] = {}  # by step id, until collected
+        self._warmup_ids = itertools.count(-1, -1)   # its own steps' ids, below the scheduler's
         self._traced = False                # warm-up batches stay out of the trace
         self._shape: StepShape | None = None  # set by warmup
         self._attention_free_ready: set[int] = set()
@@ -75,32 +70,24 @@ class PipelineExecutor:
         each bucket once through the whole pipe (the transfers between stages, the host reads)."""
         self._shape = shape
         buckets = shape.buckets
-        threads = min(COMPILE_THREADS, len(buckets))
         log.info("compiling %d programs on %d stage(s), one per token bucket %s, %d at a time ...",
-                 len(buckets), len(self.stages), buckets, threads)
+                 len(buckets), len(self.stages), buckets, min(COMPILE_THREADS, len(buckets)))
         start = time.perf_counter()
-        with ThreadPoolExecutor(threads, thread_name_prefix="jaxcpp-compile") as pool:
-            for i, (num_tokens, seconds) in enumerate(pool.map(self._compile_bucket, buckets), 1):
-                log.info("compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets),
-                         len(self.stages), num_tokens, seconds)
+        compile_buckets(self.stages, shape, lambda i, num_tokens, seconds: log.info(
+            "compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets), len(self.stages),
+            num_tokens, seconds))
         for num_tokens in buckets:  # decode-only rungs carry no prompt token to score
-            self.collect(self.submit(padding_step(num_tokens, shape), want_logits=True, ack=True,
-                                     want_logprobs=True, want_prompt_logprobs=num_tokens in shape.token_buckets))
+            step_id = next(self._warmup_ids)
+            self.submit(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True, want_logprobs=True,
+                        want_prompt_logprobs=num_tokens in shape.token_buckets)
+            self.collect(step_id)
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
         return time.perf_counter() - start
 
-    def _compile_bucket(self, num_tokens: int) -> tuple[int, float]:
-        assert self._shape is not None
-        start = time.perf_counter()
-        for stage in self.stages:
-            stage.compile(self._shape, num_tokens)
-        return num_tokens, time.perf_counter() - start
-
-    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> int:
-        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+               want_prompt_logprobs: bool = False) -> None:
         records: list[DispatchedStage] = []
         fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
         hidden: Any = None
@@ -112,8 +99,8 @@ class PipelineExecutor:
                 dispatched = time.perf_counter()
                 hidden = stage.run(batch, hidden, fed_back)  # only the first stage reads fed_back
             except Exception as e:  # a dispatch error (out of memory, a lost device) fails the step
-                raise ExecutorError(f"dispatching micro-batch {ticket} failed: {e}", stage=stage.index) from e
-            records.append(DispatchedStage(ticket, stage.index, step.num_tokens_padded, ack, self._traced,
+                raise ExecutorError(f"dispatching micro-batch {step_id} failed: {e}", stage=stage.index) from e
+            records.append(DispatchedStage(step_id, stage.index, step.num_tokens_padded, ack, self._traced,
                                            dispatched, inputs, hidden))
         out: StepOutput = hidden  # the last stage's output
         prompt_logprobs = self.stages[-1].run_prompt_logprobs(out) if want_prompt_logprobs else None
@@ -122,24 +109,17 @@ class PipelineExecutor:
         for array in (a for arrays in wanted for a in arrays):
             array.copy_to_host_async()  # start home as soon as they exist
         self._timing.watch(records)
-        self._pending.append(_InFlight(ticket, out, want_tokens, want_logits, ack, want_logprobs, prompt_logprobs))
-        return ticket
+        self._submitted[step_id] = _Submitted(out, want_tokens, want_logits, ack, want_logprobs, prompt_logprobs)
 
     def _fed_back(self, feedback_from: int | None) -> Any:
         """The tokens of a step still in flight, moved (asynchronously) to the first stage's devices."""
         if feedback_from is None:
             return None
-        source = next((p for p in self._pending if p.ticket == feedback_from), None)
-        if source is None:
-            raise ValueError(f"feedback_from={feedback_from} is not in flight")
-        return self.stages[0].receive_tokens(source.output.tokens)
+        return self.stages[0].receive_tokens(self._submitted[feedback_from].output.tokens)
 
-    def collect(self, ticket: int) -> StepResult:
-        head = self._pending.popleft()
-        if head.ticket != ticket:
-            self._pending.appendleft(head)
-            raise ValueError(f"tickets are collected in FIFO order: expected {head.ticket}, got {ticket}")
-        timings = self._timing.wait_for_ack(ticket) if head.ack else ()
+    def collect(self, step_id: int) -> StepResult:
+        head = self._submitted.pop(step_id)
+        timings = self._timing.wait_for_ack(step_id) if head.ack else ()
         try:
             jax.block_until_ready(head.output.tokens)  # out of the pipe: it holds no activation any more
             tokens = np.asarray(head.output.tokens) if head.want_tokens else None
@@ -147,7 +127,7 @@ class PipelineExecutor:
             logprobs = Logprobs(*map(np.asarray, head.output.sampled[1:])) if head.want_logprobs else None
             prompt = Logprobs(*map(np.asarray, head.prompt_logprobs)) if head.prompt_logprobs is not None else None
         except Exception as e:
-            raise ExecutorError(f"micro-batch {ticket} failed: {e}", stage=len(self.stages) - 1) from e
+            raise ExecutorError(f"micro-batch {step_id} failed: {e}", stage=len(self.stages) - 1) from e
         return StepResult(tokens, logits, timings, logprobs, prompt)
 
     def time_attention_free_forward(self, num_tokens: int) -> float:
@@ -159,11 +139,9 @@ class PipelineExecutor:
         """
         if self._shape is None:
             raise RuntimeError("time_attention_free_forward() needs warmup() first (it fixes the shapes)")
-        step = padding_step(num_tokens, self._shape)
-        if num_tokens not in self._attention_free_ready:
-            self._attention_free_forward(step)
-            self._attention_free_ready.add(num_tokens)
-        return max(self._attention_free_forward(step))
+        first_use = num_tokens not in self._attention_free_ready
+        self._attention_free_ready.add(num_tokens)
+        return max(self._attention_free_forward(padding_step(num_tokens, self._shape), first_use))
 
     def record_host_phases(self, phases: list[HostPhase]) -> None:
         if self._trace is not None and self._traced:
@@ -172,6 +150,9 @@ class PipelineExecutor:
 
     def num_compilations(self) -> int:
         return compile_guard.num_compilations() - self._compilations_at_start
+
+    def add_failure_listener(self, callback: FailureListener) -> None:
+        pass  # a stage in this process fails only inside submit or collect
 
     def close(self) -> None:
         """Stop the watchers and finish the trace file (also done at interpreter exit). Idempotent."""
@@ -187,15 +168,13 @@ class PipelineExecutor:
         """Every recorded (micro-batch, stage) timing, oldest first (bounded; warm-up included)."""
         return self._timing.timings()
 
-    def _attention_free_forward(self, step: StepInput) -> list[float]:
+    def _attention_free_forward(self, step: StepInput, first_use: bool) -> list[float]:
         seconds, hidden = [], None
         for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             if hidden is not None:
                 hidden = stage.receive(hidden)
-            jax.block_until_ready((batch.packed, hidden, stage.kv))  # also drains micro-batches in flight
-            t0 = time.perf_counter()
-            hidden = jax.block_until_ready(stage.run_attention_free(batch, hidden))
-            seconds.append(time.perf_counter() - t0)
+            elapsed, hidden = time_attention_free(stage, batch, hidden, first_use)
+            seconds.append(elapsed)
         return seconds
 
     def _put_step(self, step: StepInput) -> list[StageInput]:

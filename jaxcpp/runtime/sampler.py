@@ -15,7 +15,7 @@ One step's sampling (`sample_step`), for each of the W rows the last stage hands
 
 Penalties need each request's history, which the host cannot send every step (W x vocab counts), nor
 know in time (async scheduling feeds tokens back on the device). So the last stage keeps it: `History`,
-a table row (a slot) per request with penalties, kept by the host (`jaxcpp.scheduler`). The prompt's
+a table row (a slot) per request with penalties, kept by the host (`jaxcpp.core.scheduler`). The prompt's
 tokens are added as its chunks pass; the draw adds each sampled token. Rows without a slot (-1) read an
 empty history, for which every penalty is an exact no-op.
 
@@ -59,7 +59,7 @@ class SamplingInput(NamedTuple):
     top_k: jax.Array               # [W] int32, 0 = off
     top_p: jax.Array               # [W] float32 in (0, 1]
     seeds: jax.Array               # [W] uint32
-    steps: jax.Array               # [W] int32: tokens generated so far
+    num_generated: jax.Array       # [W] int32: tokens generated so far
     min_p: jax.Array               # [W] float32, 0 = off
     presence_penalty: jax.Array    # [W] float32
     frequency_penalty: jax.Array   # [W] float32
@@ -94,7 +94,7 @@ def sample_step(x: SamplingInput, history: History | None) -> tuple[SampledToken
         logits = apply_penalties(logits, *_rows_history(history, x.history_slot), x.presence_penalty,
                                  x.frequency_penalty, x.repetition_penalty)
         logits = _ban(logits, x.banned_ids)
-    tokens = sample(logits, x.temperature, x.top_k, x.top_p, x.seeds, x.steps, x.min_p)
+    tokens = sample(logits, x.temperature, x.top_k, x.top_p, x.seeds, x.num_generated, x.min_p)
     rows = x.logits.shape[0]
     no_logprobs = (jnp.zeros(rows), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS)))
     token_lp, top_ids, top_lp = _when(jnp.any(x.wants_logprobs > 0), lambda _: logprobs_of(x.logits, tokens),
@@ -165,7 +165,7 @@ def sample(
     top_k: jax.Array,        # [S] int32, 0 = off
     top_p: jax.Array,        # [S] float32 in (0, 1]
     seeds: jax.Array,        # [S] uint32
-    steps: jax.Array,        # [S] int32
+    num_generated: jax.Array,  # [S] int32: the draw's key is (seed, tokens generated so far)
     min_p: jax.Array | None = None,  # [S] float32, 0 = off
 ) -> jax.Array:              # [S] int32
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -175,7 +175,7 @@ def sample(
     def draw(truncate: bool) -> jax.Array:
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
         masked = _mask_top_p(_mask_top_k(_mask_min_p(scaled, min_p), top_k), top_p) if truncate else scaled
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, num_generated)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(sampling, drawn, greedy)
 

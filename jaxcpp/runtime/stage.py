@@ -22,7 +22,7 @@ also serves async scheduling's token feedback: the first stage takes a [max_num_
 
 Each stage jits its own program (one per token bucket, by shape); params are arguments (the stage's
 own slice, loaded by `jaxcpp.models.checkpoint.load_stage_params`), the step's arrays arrive packed in
-one buffer (`jaxcpp.step_input.pack`; every stage gets the same one), the KV
+one buffer (`jaxcpp.core.step_input.pack`; every stage gets the same one), the KV
 pages are donated and stay sharded as they came in, activations leave replicated over the stage's "tp"
 axis so the next stage can take them with one `device_put`. The model code is the plain functional API
 (`embed`, `run_layers`, `compute_logits`); the stage only slices and places what it is given.
@@ -39,13 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxcpp.core.step_input import Layout, StepShape, pack, padding_step
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.packing import unpack
 from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_history, logprobs_of, sample_step
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
-from jaxcpp.step_input import Layout, StepShape, pack, padding_step
 
 
 class StageInput(NamedTuple):
@@ -71,7 +71,7 @@ class PromptLogprobs(NamedTuple):
     top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
 
 
-ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps", "min_p", "presence_penalty",
+ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "num_generated", "min_p", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "history_slot", "clear_slot", "banned_ids",
               "wants_logprobs")
 TOKEN_FIELDS = ("token_ids", "prompt_slot")

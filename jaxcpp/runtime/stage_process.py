@@ -11,13 +11,16 @@ How a stage process comes up and runs:
     2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when it is to be
        pinned, single-threaded XLA:CPU; only then import jax (and pin, once the jax client exists)
     3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service
-       (a later stage first checks that it can reach it); build its `Stage` from its own layers
-       (`load_stage_params`); start its transfer server on the advertised address and publish it in
-       the service's key-value store, check that it can connect to its neighbours' (`cluster`), and
-       connect to the previous stage's (discovery through jax.distributed, not a home-made protocol)
-    4. tell the head it is ready (with its transfer server's address); until then a message or a
-       closed channel from the head means the head gave up: the stage exits instead of waiting for peers
-    5. loop over control messages (`jaxcpp.runtime.wire`), in order:
+       (a later stage first checks that it can reach it); tell the head its backend and receive the
+       head's sizing (`EngineSizing`: `--dtype auto` resolved, pages, buckets; a stage never sizes
+       itself); build its `Stage` from its own layers (`load_stage_params`); start its transfer
+       server on the advertised address and publish it in the service's key-value store, check that
+       it can connect to its neighbours' (`cluster`), and connect to the previous stage's (discovery
+       through jax.distributed, not a home-made protocol)
+    4. tell the head it is ready (with its transfer server's address, and the dtype and KV pages it
+       built); until then a message other than the sizing, or a closed channel, from the head means
+       the head gave up: the stage exits instead of waiting for peers
+    5. loop over control messages (`jaxcpp.head.wire`), in order:
          step      -> put the packed step on its devices, pull the activations of the same micro-batch
                       from stage S-1 (`jax.experimental.transfer`), run, time the model call, then
                       offer its output to stage S+1 (await_pull) or, on the last stage, send tokens
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -44,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxcpp.runtime import wire
-from jaxcpp.runtime.cluster import (
+from jaxcpp.head import wire
+from jaxcpp.head.cluster import (
     check_local,
     check_reachable,
     host_port,
@@ -111,26 +115,32 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxcpp-parent-watch", daemon=True).start()
 
 
-def watch_head_while_starting(conn: Any, stage: int) -> threading.Event:
-    """Until this stage says ready the head sends nothing but `stop`, so anything readable (or a closed
-    channel) means the head gave up: exit rather than wait on a peer or a barrier that never comes.
-    Set the returned event just before sending ready (or an error)."""
+def watch_head_while_starting(conn: Any, stage: int) -> tuple[threading.Event, queue.SimpleQueue[dict[str, Any]]]:
+    """Until this stage says ready the head sends nothing but its sizing (handed over through the returned
+    queue) or `stop`, so anything else readable (or a closed channel) means the head gave up: exit rather
+    than wait on a peer or a barrier that never comes. Set the returned event just before sending ready
+    (or an error)."""
     ready = threading.Event()
+    sizing: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
 
     def run() -> None:
         while not ready.is_set():
             try:
                 if not conn.poll(0.25) or ready.is_set():
                     continue
-                stopped = wire.recv(conn)[0]["op"] == "stop"
+                header = wire.recv(conn)[0]
             except (EOFError, OSError):
-                stopped = False
+                header = {"op": "closed"}
+            if header["op"] == "sizing":
+                sizing.put(header["sizing"])
+                continue
+            stopped = header["op"] == "stop"
             log.error("stage %d: the head %s during start-up; exiting", stage,
                       "stopped the pipeline" if stopped else "closed the control channel")
             os._exit(0 if stopped else 1)
 
     threading.Thread(target=run, name="jaxcpp-start-watch", daemon=True).start()
-    return ready
+    return ready, sizing
 
 
 def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | None = None) -> int:
@@ -148,10 +158,10 @@ def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | N
         print(f"jaxcpp stage {stage}: the head refused it: {setup['reason']}", file=sys.stderr)
         return 2
     configure_process(setup["tensor_parallel_size"], setup.get("cores"))
-    ready = watch_head_while_starting(conn, stage)
+    ready, sizing = watch_head_while_starting(conn, stage)
     try:
         check_local(advertise)
-        worker = StageWorker(conn, stage, setup, advertise, ready)
+        worker = StageWorker(conn, stage, setup, advertise, ready, sizing)
     except Exception as e:  # loading, placing or reaching a peer failed: the head names it and gives up
         ready.set()  # this process ends with its own exit code, not the watcher's
         message = str(e) if isinstance(e, ConnectionError) else repr(e)
@@ -164,7 +174,8 @@ def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | N
 class StageWorker:
     """Everything below runs after jax is configured for this process (configure_process)."""
 
-    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str, ready: threading.Event) -> None:
+    def __init__(self, conn: Any, index: int, setup: dict[str, Any], my_ip: str, ready: threading.Event,
+                 sizing: queue.SimpleQueue[dict[str, Any]]) -> None:
         import jax
         from jax.experimental import transfer
 
@@ -179,7 +190,9 @@ class StageWorker:
         if setup.get("cores"):
             jax.devices()  # creates the client and its thread pools before the process is pinned
             pin_to_cores(setup["cores"])
-        self.stage, self.shape = _build_stage(index, num_stages, setup["config"])
+        self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
+        self.stage, built = _stage(index, num_stages, setup["config"], sizing.get())
+        self.shape = built.shape
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
                                                       [host_port(my_ip, 0)])
         kv = jax._src.distributed.global_state.client  # the coordination service's key-value store
@@ -197,7 +210,8 @@ class StageWorker:
         self._idle_since = 0.0
         ready.set()
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
-                    "layers": list(self.stage.layers), "transfer": self._server.address()})
+                    "layers": list(self.stage.layers), "transfer": self._server.address(),
+                    "dtype": built.spec.config.dtype, "num_pages": built.num_pages})
 
     def _send(self, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
         """Every message carries the stage's compile count, so the head knows it without asking."""
@@ -232,28 +246,28 @@ class StageWorker:
         from jaxcpp.runtime.stage import StageInput
 
         received = time.perf_counter()
-        ticket, num_tokens = header["id"], header["num_tokens"]
+        step_id, num_tokens = header["id"], header["num_tokens"]
         batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
                            header.get("needs_full_sampler", False))
         pull_start = time.perf_counter()
         self._drain_tokens(header.get("drain_tokens", ()))
-        fed_back = self._feedback(ticket, header["feedback_from"])
-        hidden = self._pull(ticket, num_tokens) if self._prev is not None else None
+        fed_back = self._feedback(step_id, header["feedback_from"])
+        hidden = self._pull(step_id, num_tokens) if self._prev is not None else None
         jax.block_until_ready((batch.packed, hidden, fed_back))
         inputs_ready = time.perf_counter()
         out = self.stage.run(batch, hidden, fed_back)
         jax.block_until_ready(out)
         done = time.perf_counter()
-        self._send({"op": "timing", "id": ticket, "stage": self.index, "num_tokens": num_tokens,
+        self._send({"op": "timing", "id": step_id, "stage": self.index, "num_tokens": num_tokens,
                     "idle_since": self._idle_since, "received": received, "pull_start": pull_start,
                     "inputs_ready": inputs_ready, "start": inputs_ready, "done": done})
         if not self.stage.is_last:
-            self._server.await_pull(ticket, out)
+            self._server.await_pull(transfer_id(step_id), out)
             return
         if header.get("offer_tokens"):
-            self._server.await_pull(ticket, out.tokens)  # before the result: a drain never waits
+            self._server.await_pull(transfer_id(step_id), out.tokens)  # before the result: a drain never waits
         elif self.stage.is_first:  # one stage: first and last
-            self._recent_tokens[ticket] = out.tokens
+            self._recent_tokens[step_id] = out.tokens
         wants = {"tokens": header["want_tokens"], "logits": header["want_logits"],
                  "logprobs": header.get("want_logprobs", False),
                  "prompt_logprobs": header.get("want_prompt_logprobs", False)}
@@ -262,31 +276,31 @@ class StageWorker:
         parts = {"tokens": [out.tokens], "logits": [out.logits], "logprobs": out.sampled[1:],
                  "prompt_logprobs": self.stage.run_prompt_logprobs(out) if wants["prompt_logprobs"] else ()}
         result = [np.asarray(a) for name, wanted in wants.items() if wanted for a in parts[name]]
-        self._send({"op": "result", "id": ticket, **wants}, result)
+        self._send({"op": "result", "id": step_id, **wants}, result)
 
-    def _feedback(self, ticket: int, source: int | None) -> Any:
+    def _feedback(self, step_id: int, source: int | None) -> Any:
         """The first stage's fed-back tokens. With one stage they are at hand; otherwise they are pulled
         from the last stage, which offered them when it sampled them, so the pull waits for step
         `source` only. Kept for the steps still in flight: two steps may feed back from one."""
         if not self.stage.is_first:
             return None
-        for old in [t for t in self._recent_tokens if t < ticket - self._num_stages - 1]:
+        for old in [t for t in self._recent_tokens if t < step_id - self._num_stages - 1]:
             del self._recent_tokens[old]  # the head feeds back only from steps in flight (<= P + 1)
         if source is None:
             return None
         if source not in self._recent_tokens:
-            self._recent_tokens[source] = self._last.pull(source, self.stage.tokens_aval())  # type: ignore[union-attr]
+            self._recent_tokens[source] = self._last.pull(transfer_id(source), self.stage.tokens_aval())  # type: ignore[union-attr]
         return self._recent_tokens[source]
 
-    def _drain_tokens(self, tickets: Any) -> None:
+    def _drain_tokens(self, step_ids: Any) -> None:
         """Take the offers no step will feed back from, so the last stage lets go of them."""
-        if tickets and self._last is not None:
+        if step_ids and self._last is not None:
             import jax
 
-            jax.block_until_ready([self._last.pull(t, self.stage.tokens_aval()) for t in tickets])
+            jax.block_until_ready([self._last.pull(transfer_id(t), self.stage.tokens_aval()) for t in step_ids])
 
-    def _pull(self, ticket: int, num_tokens: int) -> Any:
-        return self._prev.pull(ticket, self.stage.hidden_aval(num_tokens))  # type: ignore[union-attr]
+    def _pull(self, step_id: int, num_tokens: int) -> Any:
+        return self._prev.pull(transfer_id(step_id), self.stage.hidden_aval(num_tokens))  # type: ignore[union-attr]
 
     def _zeros(self, num_tokens: int) -> Any:
         import jax
@@ -299,49 +313,42 @@ class StageWorker:
     def _put(self, num_tokens: int) -> Any:
         import jax
 
+        from jaxcpp.core.step_input import pack, padding_step
         from jaxcpp.runtime.stage import StageInput
-        from jaxcpp.step_input import pack, padding_step
 
         buf, layout = pack(padding_step(num_tokens, self.shape))
         return StageInput(jax.device_put(buf, self.stage.replicated), layout)
 
     def _warmup(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
-        """Every bucket's program, compiled here (`COMPILE_THREADS` at a time, as in one process) while
-        the other stages compile theirs, then each run once."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        """Every bucket's program, compiled here (as in one process) while the other stages compile
+        theirs, then each run once."""
         import jax
 
-        from jaxcpp.runtime.pipeline import COMPILE_THREADS
+        from jaxcpp.runtime.stage_ops import compile_buckets
 
         buckets = self.shape.buckets
-
-        def compile_bucket(num_tokens: int) -> tuple[int, float]:
-            t0 = time.perf_counter()
-            self.stage.compile(self.shape, num_tokens)
-            return num_tokens, time.perf_counter() - t0
-
-        with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
-            for i, (num_tokens, seconds) in enumerate(pool.map(compile_bucket, buckets), 1):
-                self._send({"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets),
-                            "num_tokens": num_tokens, "seconds": seconds})
+        compile_buckets([self.stage], self.shape, lambda i, num_tokens, seconds: self._send(
+            {"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets), "num_tokens": num_tokens,
+             "seconds": seconds}))
         for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
         self._send({"op": "reply", "what": "warmup"})
 
     def _attention_free(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """The calibration sweep's forward, timed around the model call with its inputs ready."""
-        import jax
+        from jaxcpp.runtime.stage_ops import time_attention_free
 
         num_tokens = header["num_tokens"]
-        batch, hidden = self._put(num_tokens), self._zeros(num_tokens)
-        if num_tokens not in self._attention_free_ready:  # compile (and run once) untimed
-            jax.block_until_ready(self.stage.run_attention_free(batch, hidden))
-            self._attention_free_ready.add(num_tokens)
-        jax.block_until_ready((batch.packed, hidden, self.stage.kv))
-        t0 = time.perf_counter()
-        jax.block_until_ready(self.stage.run_attention_free(batch, hidden))
-        self._send({"op": "reply", "what": "attention_free", "seconds": time.perf_counter() - t0})
+        first_use = num_tokens not in self._attention_free_ready
+        self._attention_free_ready.add(num_tokens)
+        seconds, _ = time_attention_free(self.stage, self._put(num_tokens), self._zeros(num_tokens), first_use)
+        self._send({"op": "reply", "what": "attention_free", "seconds": seconds})
+
+
+def transfer_id(step_id: int) -> int:
+    """The step's id as the transfer server takes it (unsigned): its two's complement, so a head's own
+    warm-up step (id < 0) crosses too."""
+    return step_id % 2**64
 
 
 def _neighbours(index: int, num_stages: int) -> list[int]:
@@ -370,49 +377,30 @@ def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int)
 
 
 def _layout(fields: list[list[Any]]) -> Any:
-    from jaxcpp.step_input import Field
+    from jaxcpp.core.step_input import Field
 
     return tuple(Field(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in fields)
 
 
-def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> Any:
-    """This stage's `Stage` (or its stand-in), from the head's config: the same sizing plan, so pages and
-    buckets agree."""
+def _stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_message: dict[str, Any]
+           ) -> tuple[Any, Any]:
+    """This stage (`stage_ops.build_stage`) on this process's devices, and the sizing it was built with:
+    the head's, so dtype, pages and buckets agree."""
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
+    from jaxcpp.core.sizing import EngineSizing
     from jaxcpp.models.spec import resolve_model_spec
     from jaxcpp.runtime.mesh import make_mesh, stage_mesh
-    from jaxcpp.sizing import EngineSizing
+    from jaxcpp.runtime.stage_ops import build_stage
 
     config = EngineConfig(**{name: cls(**config_dict[name]) for name, cls in ENGINE_SECTIONS.items()})
-    sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
-    layers = sizing.layers[index]
+    sizing = EngineSizing.from_message(sizing_message, resolve_model_spec(config.model.model, config.model.dtype))
     mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
-    stand_in = config.parallel.stand_in_model()
-    if stand_in is not None:
-        from jaxcpp.runtime.stand_in import StandInStage
-
-        stage: Any = StandInStage(index, num_stages, mesh, layers, stand_in, config.parallel.stand_in_jitter,
-                                  sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
-    else:
-        stage = _load_stage(index, num_stages, config, sizing, mesh)
+    stage = build_stage(index, num_stages, mesh, config, sizing)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
-             layers[0], layers[1] - 1, ",".join(str(d) for d in stage.devices))
-    return stage, sizing.shape
-
-
-def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any) -> Any:
-    from jaxcpp.kernels.backend import select_attention
-    from jaxcpp.models.checkpoint import load_stage_params
-    from jaxcpp.runtime.factory import enable_compilation_cache
-    from jaxcpp.runtime.stage import Stage
-
-    enable_compilation_cache()
-    layers = sizing.layers[index]
-    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
-    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs, sizing.token_buckets[-1])
+             stage.layers[0], stage.layers[1] - 1, ",".join(str(d) for d in stage.devices))
+    return stage, sizing
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ machine's compute. Everything but the model call is the production code of a sta
     other stages: the activations pulled through the real transfer server (`jax.experimental.transfer`)
     every stage:  waits t(L, x) = c + b·T + Σ_seq (γ·L + a·(2·L·x + x²)) on the wall clock, times a
                   seeded jitter factor (1 + jitter·N(0, 1)), clipped at 0
-    last stage:   tokens from the fake executor's deterministic rule (`jaxcpp.fake_executor.fake_tokens`)
+    last stage:   tokens from the fake executor's deterministic rule (`jaxcpp.core.fake_executor.fake_tokens`)
 
 so the stage's own timing of its "forward" is the modelled time plus what the runtime really costs.
 An all-padding step (warm-up) does not wait; the attention-free forward of the start-up sweep waits
@@ -32,10 +32,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.fake_executor import FakeExecutor, fake_tokens, modelled_seconds, next_tokens, with_fed_back_tokens
+from jaxcpp.core.fake_executor import FakeExecutor, fake_tokens, modelled_seconds, next_tokens, with_fed_back_tokens
+from jaxcpp.core.step_input import StepShape, unpack
 from jaxcpp.runtime.sampler import SampledTokens
 from jaxcpp.runtime.stage import StageInput, StepOutput
-from jaxcpp.step_input import StepShape, unpack
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from jaxcpp.executor import ExecutorError, StageTiming
+from jaxcpp.core.executor import ExecutorError, StageTiming
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ MAX_KEPT = 100_000  # timings kept for timings(); older ones are dropped
 class DispatchedStage:
     """What a stage's watcher waits on for one micro-batch (the arrays); its result is a StageTiming."""
 
-    ticket: int
+    step_id: int
     stage: int
-    num_tokens: int               # padded token count (the bucket)
+    num_tokens_padded: int        # padded token count (the bucket)
     ack: bool                     # the head waits for this batch's acknowledgement (every stage agrees)
     traced: bool                  # False for warm-up batches
     dispatched: float             # perf_counter() when the stage's program was dispatched
@@ -76,20 +76,20 @@ class TimingRecorder:
         """Hand one micro-batch's per-stage records to the watchers (never blocks)."""
         if stages[0].ack:
             with self._lock:
-                self._acks[stages[0].ticket] = threading.Event()
+                self._acks[stages[0].step_id] = threading.Event()
         for dispatched in stages:
             self._queues[dispatched.stage].put(dispatched)
 
-    def wait_for_ack(self, ticket: int) -> tuple[StageTiming, ...]:
-        """Block until every stage has finished (and timed) micro-batch `ticket`; its timings, stage order."""
-        event = self._acks.get(ticket)
+    def wait_for_ack(self, step_id: int) -> tuple[StageTiming, ...]:
+        """Block until every stage has finished (and timed) step `step_id`; its timings, stage order."""
+        event = self._acks.get(step_id)
         if event is None:
-            raise KeyError(f"micro-batch {ticket} was not submitted with ack=True")
+            raise KeyError(f"step {step_id} was not submitted with ack=True")
         event.wait()
         with self._lock:
-            del self._acks[ticket]
-            error = self._errors.pop(ticket, None)
-            timings = self._acked.pop(ticket, ())
+            del self._acks[step_id]
+            error = self._errors.pop(step_id, None)
+            timings = self._acked.pop(step_id, ())
         if error is not None:
             raise error
         return timings
@@ -114,37 +114,37 @@ class TimingRecorder:
                 jax.block_until_ready(item.output)
                 done = time.perf_counter()
             except Exception as e:  # a failed program: the head learns of it when it reads the result
-                log.warning("stage %d, micro-batch %d failed: %s", stage, item.ticket, e)
-                self._fail(item.ticket, ExecutorError(f"micro-batch {item.ticket} failed: {e}", stage=stage))
+                log.warning("stage %d, micro-batch %d failed: %s", stage, item.step_id, e)
+                self._fail(item.step_id, ExecutorError(f"micro-batch {item.step_id} failed: {e}", stage=stage))
                 continue
             start = max(inputs_ready, item.dispatched, last_done)
             last_done = done
-            self._record(StageTiming(item.ticket, stage, item.num_tokens, item.traced, item.dispatched,
+            self._record(StageTiming(item.step_id, stage, item.num_tokens_padded, item.traced, item.dispatched,
                                      inputs_ready, start, done))
 
     def _record(self, timing: StageTiming) -> None:
         with self._lock:
-            parts = self._partial.setdefault(timing.ticket, [])
+            parts = self._partial.setdefault(timing.step_id, [])
             parts.append(timing)
             if len(parts) < self.num_stages:
                 return
-            del self._partial[timing.ticket]
+            del self._partial[timing.step_id]
             parts = _in_stage_order(parts)
             self._history.extend(parts)
-            event = self._acks.get(timing.ticket)
+            event = self._acks.get(timing.step_id)
             if event is not None:
-                self._acked[timing.ticket] = tuple(parts)
+                self._acked[timing.step_id] = tuple(parts)
                 event.set()
         if self._on_timing is not None and timing.traced:
             for t in parts:
                 self._on_timing(t)
 
-    def _fail(self, ticket: int, error: ExecutorError) -> None:
+    def _fail(self, step_id: int, error: ExecutorError) -> None:
         with self._lock:
-            self._partial.pop(ticket, None)
-            event = self._acks.get(ticket)
+            self._partial.pop(step_id, None)
+            event = self._acks.get(step_id)
             if event is not None:
-                self._errors[ticket] = error
+                self._errors[step_id] = error
                 event.set()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.executor import StageTiming
+from jaxcpp.core.executor import StageTiming
 from jaxcpp.tools.simulator import SimResult, StageSpan
 
 
@@ -50,10 +50,10 @@ def plot_measured_vs_predicted(timings: Sequence[StageTiming], model: LatencyMod
     """One lone prompt's stage boxes as the stages timed them, beside the boxes `model` predicts for the
     same chunks (stage s starts chunk k once stage s - 1 finished k and stage s finished k - 1)."""
     t0 = min(t.start for t in timings)
-    first = min(t.ticket for t in timings)
+    first = min(t.step_id for t in timings)
     measured = SimResult(ttft={"lone": max(t.done for t in timings) - t0},
-                         spans=[StageSpan(t.ticket - first, t.stage, t.start - t0, t.done - t0,
-                                          (("lone", 0, t.num_tokens),)) for t in timings])
+                         spans=[StageSpan(t.step_id - first, t.stage, t.start - t0, t.done - t0,
+                                          (("lone", 0, t.num_tokens_padded),)) for t in timings])
     weights = stage_weights or (1.0,) * num_stages
     done = [[0.0] * len(chunks) for _ in weights]
     spans, prefix = [], 0

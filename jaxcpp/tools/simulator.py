@@ -1,10 +1,10 @@
 """A pipeline simulator: P stages under the latency model, chunks from any policy, TTFT per request.
 
 How it moves: a step loop like the engine's. Whenever stage 0 is free and the engine's in-flight rule
-(`jaxcpp.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch:
+(`jaxcpp.core.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch:
 it tells the policy how many requests could prefill (`observe_step`, so the controller's gate decides
 as it would in the engine), then asks it for a chunk per request (`prefill_chunk`), first come first
-served, until the token budget is spent. The policy is a `jaxcpp.scheduler.ChunkSizer`, the engine's
+served, until the token budget is spent. The policy is a `jaxcpp.core.scheduler.ChunkSizer`, the engine's
 one chunk-sizing protocol: the controller, or `FixedPolicy` / `PlanPolicy` here. The batch then flows
 through the stages in order (stage j takes w_j·t, a hop between stages costs hop_s + hop_s_per_token·n),
 each stage taking batches in order. A request's TTFT is when its last chunk leaves the last stage.
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.in_flight import InFlight
-from jaxcpp.scheduler import ChunkSizer, FixedChunkSizer
+from jaxcpp.core.in_flight import InFlight
+from jaxcpp.core.scheduler import ChunkSizer, FixedChunkSizer
 
 if TYPE_CHECKING:
-    from jaxcpp.engine import LLMEngine
+    from jaxcpp.core.engine import LLMEngine
 
 
 class FixedPolicy(FixedChunkSizer):
@@ -225,7 +225,7 @@ def simulate_plan(pipeline: Pipeline, chunks: Sequence[int]) -> SimResult:
 def simulate_engine(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, float]:
     """TTFT of each prompt (all arriving at 0) on the real engine over a FakeExecutor's virtual clock:
     the real scheduler and chunk controller size every chunk, the fake's flow shop times them."""
-    from jaxcpp.fake_executor import FakeExecutor
+    from jaxcpp.core.fake_executor import FakeExecutor
     from jaxcpp.sampling_params import SamplingParams
 
     fake = engine.executor

@@ -11,8 +11,8 @@ from jaxcpp.chunking.makespan import predicted_ttft
 from jaxcpp.chunking.optimal import plan_optimal
 from jaxcpp.chunking.planner import ChunkSettings, equal_latency_chunk, plan_fixed
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.sampling_params import SamplingParams
 
 A = 2.9e-10

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxcpp.fake_executor import FakeExecutor
-from jaxcpp.page_allocator import RESERVED_PAGE, PageAllocator
-from jaxcpp.step_input import StepInput, StepShape
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.page_allocator import RESERVED_PAGE, PageAllocator
+from jaxcpp.core.step_input import StepInput, StepShape
 
 MASK = (1 << 64) - 1
 UNWRITTEN = 0xDEAD_BEEF_DEAD_BEEF  # what an unwritten slot reads as: it derails the chain

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from jaxcpp.cli_args import add_engine_args, engine_config_from_args
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.sampling_params import SamplingParams
 from tests.engine.kv_fake import KVFakeExecutor
 
@@ -53,7 +53,7 @@ def test_decodes_read_their_input_from_the_step_in_flight():
     assert len(fake.steps) == 8 and fed_back_tokens(fake) == 7
     decode = fake.steps[1]
     assert decode.feedback_rows[0] == 0 and decode.token_ids[0] == 0  # the host sent a placeholder
-    assert [int(s.steps[0]) for s in fake.steps] == list(range(8))  # seeds count the pending token
+    assert [int(s.num_generated[0]) for s in fake.steps] == list(range(8))  # seeds count the pending token
 
 
 def test_sync_engine_sends_every_token_from_the_host():

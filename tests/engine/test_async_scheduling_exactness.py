@@ -34,9 +34,9 @@ def run(llm):
     engine, feedbacks = llm.engine, []
     submit = engine.executor.submit
 
-    def counting(step, **flags):
+    def counting(step_id, step, **flags):
         feedbacks.append(flags.get("feedback_from") is not None)
-        return submit(step, **flags)
+        return submit(step_id, step, **flags)
 
     engine.executor.submit = counting
     done, step = {}, 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxcpp import sizing
-from jaxcpp.buckets import DECODE_LADDER, decode_buckets, padding_share, step_bucket, token_buckets
+from jaxcpp.core import sizing
+from jaxcpp.core.buckets import DECODE_LADDER, decode_buckets, padding_share, step_bucket, token_buckets
 from jaxcpp.runtime import compile_guard
 from jaxcpp.sampling_params import SamplingParams
 from tests.engine.test_engine_fake import engine, prompts, run

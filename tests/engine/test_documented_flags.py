@@ -9,12 +9,12 @@ import pytest
 
 from jaxcpp.cli_args import engine_config_from_args
 from jaxcpp.config import ConfigError, EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.models.spec import resolve_model_spec
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.cli import build_parser
-from jaxcpp.sizing import EngineSizing
 
 TINY_PAGE_BYTES = 2 * 4 * 16 * 2 * 32 * 4  # K and V, 4 layers, 16 tokens, 2 KV heads, head_dim 32, float32
 

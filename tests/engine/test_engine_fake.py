@@ -11,9 +11,9 @@ import pytest
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.executor import ExecutorError, StepResult
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.executor import ExecutorError, StepResult
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -94,8 +94,8 @@ def test_a_failing_executor_fails_the_requests_in_flight_and_frees_their_pages()
     class FailingOnce(FakeExecutor):
         failures = 1
 
-        def collect(self, ticket: int) -> StepResult:
-            result = super().collect(ticket)
+        def collect(self, step_id: int) -> StepResult:
+            result = super().collect(step_id)
             if self.failures:
                 self.failures -= 1
                 raise ExecutorError("garbage from the device", stage=0, fatal=False)
@@ -111,7 +111,7 @@ def test_a_failing_executor_fails_the_requests_in_flight_and_frees_their_pages()
 
 def test_a_fatal_executor_error_propagates_after_failing_its_requests():
     class Dead(FakeExecutor):
-        def submit(self, step, **flags) -> int:
+        def submit(self, step_id, step, **flags) -> None:
             raise ExecutorError("stage process exited with signal 9", stage=1)
 
     e = engine(Dead())
@@ -125,8 +125,8 @@ def test_garbage_tokens_fail_only_their_step():
     class Garbage(FakeExecutor):
         bad = 1
 
-        def collect(self, ticket: int) -> StepResult:
-            result = super().collect(ticket)
+        def collect(self, step_id: int) -> StepResult:
+            result = super().collect(step_id)
             if self.bad and result.tokens is not None:
                 self.bad -= 1
                 result.tokens[:] = 10**6

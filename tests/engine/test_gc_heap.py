@@ -6,9 +6,9 @@ from __future__ import annotations
 import gc
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
-from jaxcpp.gc_heap import GcWatch
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.gc_heap import GcWatch
 from tests.engine.test_engine_fake import GREEDY, engine, prompts, run
 
 

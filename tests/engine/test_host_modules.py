@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 
 import pytest
 
-from jaxcpp.buckets import pad_to_bucket, token_buckets
-from jaxcpp.page_allocator import PageAllocator
+from jaxcpp.config import EngineConfig
+from jaxcpp.core.buckets import pad_to_bucket, token_buckets
+from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
+from jaxcpp.models.spec import resolve_model_spec
 
 HOST_MODULES = [
-    "jaxcpp", "jaxcpp.config", "jaxcpp.cli_args", "jaxcpp.sampling_params", "jaxcpp.sequence",
-    "jaxcpp.page_allocator", "jaxcpp.scheduler", "jaxcpp.buckets", "jaxcpp.step_input",
-    "jaxcpp.stats_logger", "jaxcpp.tokenizer", "jaxcpp.outputs", "jaxcpp.errors",
-    "jaxcpp.executor", "jaxcpp.fake_executor", "jaxcpp.sizing", "jaxcpp.engine", "jaxcpp.llm",
+    "jaxcpp", "jaxcpp.config", "jaxcpp.cli_args", "jaxcpp.sampling_params", "jaxcpp.core.sequence",
+    "jaxcpp.core.page_allocator", "jaxcpp.core.scheduler", "jaxcpp.core.buckets", "jaxcpp.core.step_input",
+    "jaxcpp.core.stats_logger", "jaxcpp.tokenizer", "jaxcpp.core.outputs", "jaxcpp.errors",
+    "jaxcpp.core.executor", "jaxcpp.core.fake_executor", "jaxcpp.core.sizing", "jaxcpp.core.engine", "jaxcpp.llm",
     "jaxcpp.models.config", "jaxcpp.models.spec",
     "jaxcpp.chunking.latency_model", "jaxcpp.chunking.planner", "jaxcpp.chunking.policy",
     "jaxcpp.chunking.controller",
+    "jaxcpp.core", "jaxcpp.head.mp_executor", "jaxcpp.head.wire", "jaxcpp.head.cluster", "jaxcpp.head.trace",
 ]
 
 
@@ -31,6 +37,20 @@ def test_host_modules_import_no_jax_transitively():
             "    assert not heavy, f'{name} imported {heavy[:3]}'\n")
     for module in HOST_MODULES:  # one interpreter each: an earlier import must not hide a later one
         subprocess.run([sys.executable, "-c", code, module], check=True)
+
+
+def test_dtype_auto_is_float32_on_cpu_only():
+    assert dtype_on_backend("auto", "cpu") == "float32"
+    assert dtype_on_backend("auto", "gpu") == "auto" and dtype_on_backend("bfloat16", "cpu") == "bfloat16"
+
+
+def test_sizing_crosses_the_wire_unchanged():
+    """What a multi-process head sends its stages (JSON) rebuilds the head's sizing exactly."""
+    config = EngineConfig.from_kwargs(model="tiny", dtype="float32", max_model_len=256, page_size=16)
+    sizing = EngineSizing.plan(config, resolve_model_spec("tiny", "float32"))
+    back = EngineSizing.from_message(json.loads(json.dumps(sizing.to_message())), resolve_model_spec("tiny", "auto"))
+    assert back.spec.config == sizing.spec.config
+    assert dataclasses.replace(back, spec=sizing.spec) == sizing
 
 
 def test_buckets_are_aligned_and_bounded():

@@ -1,4 +1,4 @@
-"""How many steps the engine keeps in flight (`jaxcpp.in_flight`): the pipeline's depth for steps that
+"""How many steps the engine keeps in flight (`jaxcpp.core.in_flight`): the pipeline's depth for steps that
 carry decodes, twice that while only prompt chunks are in flight; the engine never exceeds it."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
-from jaxcpp.in_flight import InFlight
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.in_flight import InFlight
 from jaxcpp.sampling_params import SamplingParams
 
 
@@ -43,12 +43,11 @@ class CountingFake(FakeExecutor):
         self.seen: list[tuple[int, bool, bool]] = []
         self.decodes: dict[int, bool] = {}
 
-    def submit(self, step, *, want_tokens=True, **kw):
-        self.seen.append((len(self._pending), any(self.decodes[t] for t, _, _, _ in self._pending),
-                          any(r.tokens is not None for _, r, _, _ in self._pending)))
-        ticket = super().submit(step, want_tokens=want_tokens, **kw)
-        self.decodes[ticket] = int(step.num_decodes) > 0
-        return ticket
+    def submit(self, step_id, step, *, want_tokens=True, **kw):
+        self.seen.append((len(self._in_flight), any(self.decodes[i] for i in self._in_flight),
+                          any(r.tokens is not None for r, _, _ in self._in_flight.values())))
+        self.decodes[step_id] = int(step.num_decodes) > 0
+        return super().submit(step_id, step, want_tokens=want_tokens, **kw)
 
 
 def engine_on(fake: FakeExecutor, *, dynamic: bool, async_scheduling: bool = True) -> LLMEngine:

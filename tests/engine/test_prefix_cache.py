@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.executor import ExecutorError
-from jaxcpp.page_allocator import OutOfPagesError, PageAllocator
-from jaxcpp.prefix_cache import ROOT_HASH, PageHashes, hash_page
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.executor import ExecutorError
+from jaxcpp.core.page_allocator import OutOfPagesError, PageAllocator
+from jaxcpp.core.prefix_cache import ROOT_HASH, PageHashes, hash_page
 from jaxcpp.sampling_params import SamplingParams
 from tests.engine.kv_fake import KVFakeExecutor
 

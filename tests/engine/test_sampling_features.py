@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jaxcpp import LLM, SamplingParams
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.outputs import RequestMetrics, RequestOutput
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.fake_executor import FakeExecutor
 from jaxcpp.output_processor import SampleStream, fan_out
-from jaxcpp.outputs import RequestMetrics, RequestOutput
 from jaxcpp.tokenizer import ByteTokenizer
 
 FLAGS = dict(model="tiny", max_model_len=256, page_size=16, num_pages=64, max_num_batched_tokens=64,

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcpp.config import SchedulerConfig
-from jaxcpp.outputs import RequestMetrics
-from jaxcpp.page_allocator import PageAllocator
+from jaxcpp.core.outputs import RequestMetrics
+from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.scheduler import Scheduler, SchedulerOutput
+from jaxcpp.core.sequence import Sequence, SequenceStatus
 from jaxcpp.sampling_params import SamplingParams
-from jaxcpp.scheduler import Scheduler, SchedulerOutput
-from jaxcpp.sequence import Sequence, SequenceStatus
 
 
 def make_seq(i: int, prompt_len: int, max_tokens: int) -> Sequence:

@@ -10,11 +10,11 @@ import time
 import pytest
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor
-from jaxcpp.outputs import EngineStats
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor
+from jaxcpp.core.outputs import EngineStats
+from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.sampling_params import SamplingParams
-from jaxcpp.stats_logger import StatsLogger
 
 STATS = EngineStats(num_running=1, num_waiting=0, num_pages_used=1, num_pages_free=9, num_pages_total=10,
                     num_compilations_since_warmup=0, num_prompt_tokens_total=0, num_generation_tokens_total=0,
@@ -44,7 +44,7 @@ def test_rates_are_over_busy_time_and_an_idle_engine_is_never_due(caplog) -> Non
     assert not stats.due()  # the interval is not over
     clock.now += 10.0        # then ten seconds idle
     assert stats.due()
-    with caplog.at_level(logging.INFO, logger="jaxcpp.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxcpp.core.engine"):
         stats.log(STATS, None)
     assert rates(caplog) == [(0.0, 150.0)]  # not 150 / 11 s
     clock.now += 60.0  # a minute idle: nothing worked since the line, so none is due
@@ -63,7 +63,7 @@ def test_the_engine_logs_while_it_works_and_its_rates_ignore_the_idle_gap(caplog
         while engine.has_unfinished_requests():
             engine.step()
 
-    with caplog.at_level(logging.INFO, logger="jaxcpp.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxcpp.core.engine"):
         run("a")
         lines_while_working = len(rates(caplog))
         time.sleep(1.0)

@@ -8,10 +8,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.core.sizing import stage_layers
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.mesh import check_devices, make_mesh, stage_mesh
 from jaxcpp.runtime.sharding import kv_spec, layer_spec, param_specs
-from jaxcpp.sizing import stage_layers
 
 
 def config(**kw) -> LlamaConfig:

@@ -3,6 +3,7 @@ timing probes, the trace, the lazily compiled attention-free forwards."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxcpp import SamplingParams
+from jaxcpp.core.step_input import padding_step
 from jaxcpp.runtime import compile_guard
-from jaxcpp.step_input import padding_step
 
 pytestmark = pytest.mark.slow
 
@@ -24,49 +25,59 @@ def executor(make_pp_llm, random_model):
     llm.engine.executor.close()
 
 
+STEP_IDS = itertools.count(10_000)  # steps submitted here, past any the (idle) engine ran
+
+
 def a_step(executor, num_tokens: int = 64):
     return padding_step(num_tokens, executor._shape)
 
 
-def test_collect_returns_only_what_was_asked(executor, monkeypatch):
-    """How many steps may be in flight is the engine's rule (`jaxcpp.in_flight`), not the executor's."""
-    step = a_step(executor)
-    tickets = [executor.submit(step, want_tokens=False) for _ in range(2 * (executor.max_in_flight + 1))]
-    with pytest.raises(ValueError, match="FIFO"):
-        executor.collect(tickets[1])
+def submit(executor, step, **flags) -> int:
+    step_id = next(STEP_IDS)
+    executor.submit(step_id, step, **flags)
+    return step_id
 
-    def never(ticket):
+
+def test_collect_returns_only_what_was_asked(executor, monkeypatch):
+    """How many steps may be in flight, and in which order they are collected, is the engine's rule
+    (`jaxcpp.core.in_flight`), not the executor's: it keeps each step by its id until collected."""
+    step = a_step(executor)
+    step_ids = [submit(executor, step, want_tokens=False) for _ in range(2 * (executor.max_in_flight + 1))]
+    with pytest.raises(KeyError):
+        executor.collect(step_ids[-1] + 1)  # never submitted
+
+    def never(step_id):
         raise AssertionError("collect waited for the stages' timings")
 
     monkeypatch.setattr(executor._timing, "wait_for_ack", never)
-    results = [executor.collect(t) for t in tickets]
+    results = [executor.collect(t) for t in step_ids]
     # Nothing was fetched: a step of middle prefill chunks is collected without tokens or timings.
     assert all(r.tokens is None and r.logits is None and r.timings == () for r in results)
     monkeypatch.undo()
-    result = executor.collect(executor.submit(step))
+    result = executor.collect(submit(executor, step))
     assert isinstance(result.tokens, np.ndarray) and result.tokens.shape == (8,)  # host data only
 
 
 def test_ack_returns_every_stages_timing_at_collect(executor):
-    ticket = executor.submit(a_step(executor), ack=True)
-    result = executor.collect(ticket)
+    step_id = submit(executor, a_step(executor), ack=True)
+    result = executor.collect(step_id)
     seconds = result.forward_time
     assert seconds is not None and 0 <= seconds < 10
-    assert [t.stage for t in result.timings] == [0, 1] and all(t.ticket == ticket for t in result.timings)
-    mine = [t for t in executor.timings() if t.ticket == ticket]
+    assert [t.stage for t in result.timings] == [0, 1] and all(t.step_id == step_id for t in result.timings)
+    mine = [t for t in executor.timings() if t.step_id == step_id]
     assert [t.stage for t in mine] == [0, 1]
     assert all(t.dispatched <= t.start <= t.done for t in mine)
     assert max(t.forward for t in mine) == seconds
-    assert all(t.num_tokens == 64 for t in mine)  # the padded size that ran
+    assert all(t.num_tokens_padded == 64 for t in mine)  # the padded size that ran
 
 
 def test_timings_reach_the_history_later_without_ack(executor):
-    ticket = executor.submit(a_step(executor))
-    executor.collect(ticket)
+    step_id = submit(executor, a_step(executor))
+    executor.collect(step_id)
     deadline = time.monotonic() + 30
-    while len([t for t in executor.timings() if t.ticket == ticket]) < 2 and time.monotonic() < deadline:
+    while len([t for t in executor.timings() if t.step_id == step_id]) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert [t.stage for t in executor.timings() if t.ticket == ticket] == [0, 1]
+    assert [t.stage for t in executor.timings() if t.step_id == step_id] == [0, 1]
 
 
 def test_attention_free_forward_compiles_lazily_once(executor):
@@ -94,10 +105,10 @@ def test_long_prompt_chunks_overlap_on_different_stages(make_pp_llm, random_mode
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert sorted(names) == [0, 1, 2, 3, 4] and names[3].startswith("stage 3: layers 4-5")
     assert names[4] == "host: engine loop"
-    boxes = {(e["args"]["ticket"], e["tid"]): e for e in events if e.get("cat") == "forward"}
-    tickets = sorted({t for t, _ in boxes})
-    assert all((t, s) in boxes for t in tickets for s in range(4))  # warm-up is not traced
-    chunks = [t for t in tickets if boxes[(t, 0)]["args"]["num_tokens"] == 128]
+    boxes = {(e["args"]["step"], e["tid"]): e for e in events if e.get("cat") == "forward"}
+    step_ids = sorted({t for t, _ in boxes})
+    assert all((t, s) in boxes for t in step_ids for s in range(4))  # warm-up is not traced
+    chunks = [t for t in step_ids if boxes[(t, 0)]["args"]["num_tokens_padded"] == 128]
     assert len(chunks) == 4  # 128 + 128 + 128 + 116 prompt tokens
 
     def end(e):
@@ -108,7 +119,7 @@ def test_long_prompt_chunks_overlap_on_different_stages(make_pp_llm, random_mode
     overlapping = [(k, k1) for k, k1 in zip(chunks, chunks[1:], strict=False)
                    if boxes[(k1, 0)]["ts"] < end(boxes[(k, 3)])]
     assert overlapping, "no chunk entered stage 0 before the previous one left the last stage"
-    for t in tickets:  # each micro-batch goes through the stages in order
+    for t in step_ids:  # each micro-batch goes through the stages in order
         assert all(boxes[(t, s)]["ts"] >= end(boxes[(t, s - 1)]) - 0.01 for s in range(1, 4))
 
     # The host row: every step's phases, in the order the loop runs them.
@@ -118,7 +129,8 @@ def test_long_prompt_chunks_overlap_on_different_stages(make_pp_llm, random_mode
             assert e["tid"] == 4
             phases.setdefault(e["args"]["step"], {})[e["args"]["phase"]] = e
     submitted = [step for step in phases.values() if "dispatch" in step]
-    assert len(submitted) == len(tickets)
+    assert len(submitted) == len(step_ids)
+    assert sorted(s for s, step in phases.items() if "dispatch" in step) == step_ids  # one id, both rows
     assert all(list(step) == ["schedule"] for step in phases.values() if "dispatch" not in step)  # empty
     order = ["schedule", "build", "dispatch", "wait", "postprocess"]
     for step in submitted:

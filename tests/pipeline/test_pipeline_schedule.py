@@ -43,16 +43,16 @@ def pinned_pp2(wide_model):
 
 
 def lone_prefill_probes(llm: LLM, seed: int) -> dict[int, dict[int, dict]]:
-    """{ticket: {stage: probe}} of one lone prompt's prefill (max_tokens 1)."""
+    """{step id: {stage: probe}} of one lone prompt's prefill (max_tokens 1)."""
     executor = llm.engine.executor
-    first = executor._next_ticket
+    first = llm.engine.scheduler.num_steps
     prompt = [(seed * 131 + 7 * i) % 120 + 2 for i in range(PROMPT_LEN)]
     llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
-    by_ticket: dict[int, dict[int, dict]] = {}
+    by_step: dict[int, dict[int, dict]] = {}
     for p in executor.probes():
         if p["id"] >= first:
-            by_ticket.setdefault(p["id"], {})[p["stage"]] = p
-    return dict(sorted(by_ticket.items()))
+            by_step.setdefault(p["id"], {})[p["stage"]] = p
+    return dict(sorted(by_step.items()))
 
 
 def test_hop_never_waits_for_the_producers_next_forward(pinned_pp2):

@@ -6,6 +6,7 @@ loopback). Small random models and short prompts: each engine here is a few proc
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -17,8 +18,8 @@ import time
 import pytest
 
 from jaxcpp import LLM, SamplingParams
-from jaxcpp.executor import ExecutorError
-from jaxcpp.runtime.mp_executor import MultiProcessExecutor, free_port
+from jaxcpp.core.executor import ExecutorError
+from jaxcpp.head.mp_executor import MultiProcessExecutor, free_port
 from tests.pipeline.test_pipeline_exactness import assert_same, prompts, run
 
 pytestmark = pytest.mark.slow
@@ -91,10 +92,10 @@ def test_fed_back_tokens_do_not_serialize_the_stages(mp_llm, random_model):
     step j's header, after step j - 1, the two stages would take turns)."""
     llm = mp_llm(model=random_model, pipeline_parallel_size=2, max_num_seqs=2)
     executor = llm.engine.executor
-    first_ticket = executor._next_ticket
+    first_step = llm.engine.scheduler.num_steps
     llm.generate(prompt_token_ids=[[3 + i] * 8 for i in range(4)],
                  sampling_params=SamplingParams(max_tokens=24, ignore_eos=True))
-    probes = [p for p in executor.probes() if p["id"] >= first_ticket]
+    probes = [p for p in executor.probes() if p["id"] >= first_step]
     ready = {p["id"]: p["inputs_ready"] for p in probes if p["stage"] == 0}
     last_done = {p["id"]: p["done"] for p in probes if p["stage"] == 1}
     overlapped = [j for j in ready if j - 1 in last_done and ready[j] < last_done[j - 1]]
@@ -137,6 +138,50 @@ def test_killed_stage_fails_requests_within_2s(make_pp_llm, random_model):
     finally:
         engine.close()
     assert wait_gone([p for p in executor.stage_pids() if p], 10) == []
+
+
+SIZED_HEAD = textwrap.dedent("""
+    import json, sys
+    from jaxcpp import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], dtype="auto", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
+              kv_cache_memory_gb=float(sys.argv[2]), log_stats_interval_s=0, pipeline_parallel_size=2,
+              distributed_executor_backend="mp")
+    out = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    sizing = llm.engine.sizing
+    print(json.dumps({"head": [sizing.spec.config.dtype, sizing.num_pages],
+                      "stages": [list(ln.sized) for ln in llm.engine.executor.links],
+                      "tokens": len(out[0].token_ids),
+                      "jax": sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax"))}))
+    llm.engine.close()
+""")
+
+
+def test_the_head_sizes_the_stages_and_holds_no_jax(tmp_path):
+    """A bfloat16 checkpoint with --dtype auto, stages on the CPU backend: the head resolves auto on the
+    stages' backend (float32), sizes the KV pages for it, and every stage builds exactly that (a stage
+    that sized itself read auto as bfloat16 and held twice the pages). The head process never imports
+    jax, so it holds no backend (on a GPU host one would reserve device memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcpp.models.checkpoint import save_orbax
+    from jaxcpp.models.config import LlamaConfig
+    from jaxcpp.models.llama import init_params
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         eos_token_ids=(1,), dtype="bfloat16")
+    save_orbax(tmp_path, init_params(config, jax.random.key(0), jnp.bfloat16), config)
+    page_bytes_f32 = 2 * 3 * 16 * 2 * 16 * 4  # K and V, 3 layers a stage, 16 tokens, 2 heads of 16, float32
+    memory_gb = 40.5 * page_bytes_f32 / 2**30  # 40 float32 pages (81 in bfloat16), under the cap of 8 x 16 + 1
+    out = subprocess.run([sys.executable, "-c", SIZED_HEAD, str(tmp_path), repr(memory_gb)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["head"] == ["float32", 40]
+    assert report["stages"] == [["float32", 40], ["float32", 40]]
+    assert report["tokens"] == 4
+    assert report["jax"] == [], "the multi-process head imported jax"
 
 
 HEAD = textwrap.dedent("""

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from jaxcpp import LLM, SamplingParams
-from jaxcpp.buckets import token_buckets
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.makespan import predicted_ttft
 from jaxcpp.chunking.planner import ChunkSettings
 from jaxcpp.chunking.policy import plan_chunks
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.buckets import token_buckets
+from jaxcpp.core.fake_executor import FakeExecutor
 from tests.pipeline.conftest import write_random_model
 
 pytestmark = pytest.mark.slow
@@ -56,9 +56,9 @@ def prompt(n: int, seed: int) -> list[int]:
 def lone(llm: LLM, n: int, seed: int) -> list:
     """One prompt alone (one token out); the stage timings of its micro-batches."""
     executor = llm.engine.executor
-    first = executor._next_ticket
+    first = llm.engine.scheduler.num_steps
     llm.generate(prompt_token_ids=[prompt(n, seed)], sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
-    return [t for t in executor.timings() if t.ticket >= first]
+    return [t for t in executor.timings() if t.step_id >= first]
 
 
 def assert_first_stage_back_to_back(timings) -> None:

@@ -1,4 +1,4 @@
-"""How the processes of a multi-host pipeline find and trust each other (`jaxcpp.runtime.cluster`), and how
+"""How the processes of a multi-host pipeline find and trust each other (`jaxcpp.head.cluster`), and how
 the head names a stage that failed: the shared control key is required, addresses come from the flags,
 reachability is checked from the advertised address, and a stage that dies in native code is reported
 with its fatal log line. The end-to-end checks on two network namespaces are tests/pipeline/test_multi_host.py.
@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from jaxcpp.config import ConfigError, ParallelConfig
-from jaxcpp.runtime.cluster import Addresses, check_local, check_reachable, shared_control_key
-from jaxcpp.runtime.mp_executor import _StageLink, forward_log, how_it_ended
+from jaxcpp.head.cluster import Addresses, check_local, check_reachable, shared_control_key
+from jaxcpp.head.mp_executor import _StageLink, forward_log, how_it_ended
 from jaxcpp.runtime.stage_process import _neighbours
 from jaxcpp.serving.cli import main
 

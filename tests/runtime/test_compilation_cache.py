@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxcpp.runtime.factory import compilation_cache_dir
+from jaxcpp.runtime.stage_ops import compilation_cache_dir
 
 
 def test_the_cache_folder_follows_the_variables() -> None:

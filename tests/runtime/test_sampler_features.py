@@ -62,7 +62,7 @@ def test_min_p_keeps_what_transformers_keeps() -> None:
 def step_input(**over: object) -> sampler.SamplingInput:
     t = 8
     fields = dict(logits=jnp.asarray(LOGITS), temperature=jnp.zeros(W), top_k=jnp.zeros(W, jnp.int32),
-                  top_p=jnp.ones(W), seeds=jnp.zeros(W, jnp.uint32), steps=jnp.zeros(W, jnp.int32),
+                  top_p=jnp.ones(W), seeds=jnp.zeros(W, jnp.uint32), num_generated=jnp.zeros(W, jnp.int32),
                   min_p=jnp.zeros(W), presence_penalty=jnp.zeros(W), frequency_penalty=jnp.zeros(W),
                   repetition_penalty=jnp.ones(W), history_slot=jnp.full(W, -1, jnp.int32),
                   clear_slot=jnp.full(W, -1, jnp.int32), banned_ids=jnp.full((W, MAX_BANNED_IDS), -1, jnp.int32),

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.fake_executor import FakeExecutor, printable_next_token
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.fake_executor import FakeExecutor, printable_next_token
 
 EOS = 257  # the tiny model's end-of-sequence id
 FAKE_ENGINE_FLAGS: dict[str, Any] = dict(model="tiny", max_model_len=512, page_size=16, num_pages=257,

@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.engine import LLMEngine
-from jaxcpp.executor import ExecutorError, StepResult
-from jaxcpp.fake_executor import FakeExecutor
+from jaxcpp.core.engine import LLMEngine
+from jaxcpp.core.executor import ExecutorError, StepResult
+from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.serving import Client
 from tests.serving.conftest import started_stream, wait_until
 from tests.serving.fakes import EOS, FAKE_ENGINE_FLAGS, expected_tokens
@@ -37,13 +37,13 @@ class Faulty(FakeExecutor):
         super().__init__(eos_token_id=EOS, step_delay_s=0.005, **kw)
         self.fault, self.fail_at, self.collects = fault, fail_at, 0
 
-    def submit(self, step, **flags) -> int:
+    def submit(self, step_id, step, **flags) -> None:
         if self.fault == "submit" and len(self.steps) + 1 >= self.fail_at:
             raise ExecutorError("stage process exited with signal 9", stage=1)
-        return super().submit(step, **flags)
+        return super().submit(step_id, step, **flags)
 
-    def collect(self, ticket: int) -> StepResult:
-        result = super().collect(ticket)
+    def collect(self, step_id: int) -> StepResult:
+        result = super().collect(step_id)
         self.collects += 1
         if self.collects == self.fail_at:
             if self.fault == "collect":

@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from jaxcpp.config import ServerConfig
-from jaxcpp.engine import LLMEngine
+from jaxcpp.core.engine import LLMEngine
 from jaxcpp.serving import AsyncClient, Client
 from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
 from tests.serving.conftest import MODEL, wait_until

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from jaxcpp.engine import LLMEngine
+from jaxcpp.core.engine import LLMEngine
 from jaxcpp.serving import AsyncClient, Client
 from tests.serving.conftest import wait_until
 from tests.serving.fakes import expected_tokens, fake_engine

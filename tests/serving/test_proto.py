@@ -58,3 +58,16 @@ def test_request_and_response_reserve_tags() -> None:
     for name in ("GenerateRequest", "GenerateResponse", "SamplingParameters"):
         assert messages[name].reserved_range, name
     assert [o.name for o in messages["GenerateRequest"].oneof_decl] == ["prompt"]
+
+
+def test_the_stats_message_has_every_engine_count() -> None:
+    """`EngineStats` is the one schema: the server copies its counts into the message by name, and the
+    client reads them back by name, so every count must be a field of the message (of an integer type)."""
+    from jaxcpp.core.outputs import EngineStats
+    from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+
+    fields = pb.GetServerStatsResponse.DESCRIPTOR.fields_by_name
+    counts = [f.name for f in EngineStats.count_fields()]
+    assert len(counts) == 13 and all(name in fields for name in counts), set(counts) - set(fields)
+    stats = EngineStats(*range(9), {}, *range(9, 13))
+    assert EngineStats.from_counts(pb.GetServerStatsResponse(**stats.counts()), {}) == stats

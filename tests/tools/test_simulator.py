@@ -84,8 +84,8 @@ def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline(async_sc
     engine (on a FakeExecutor's virtual flow shop) as inside `simulate`, and the TTFTs agree. Async
     scheduling keeps one more micro-batch in flight than the P the pipe holds: so does the simulator."""
     from jaxcpp.config import EngineConfig
-    from jaxcpp.engine import LLMEngine
-    from jaxcpp.fake_executor import FakeExecutor
+    from jaxcpp.core.engine import LLMEngine
+    from jaxcpp.core.fake_executor import FakeExecutor
 
     model = LatencyModel(a=2e-7, b=1e-4, c=2e-3, gamma=1e-6)
     config = EngineConfig.from_kwargs(model="tiny", max_model_len=2048, max_num_batched_tokens=512, num_pages=200,
@@ -111,7 +111,7 @@ def test_the_real_engine_on_a_fake_executor_simulates_the_same_pipeline(async_sc
 def test_optimal_is_never_slower_than_the_best_fixed_chunk_at_any_concurrency(concurrency):
     """Predicted (the simulator, the engine's scheduling rules): `concurrency` 128K prompts at once on PP 4,
     mean TTFT of `optimal` against fixed chunks of 8K, 16K and 32K (engines with that budget)."""
-    from jaxcpp.buckets import token_buckets
+    from jaxcpp.core.buckets import token_buckets
 
     requests = [SimRequest(i, 0.0, 131072) for i in range(concurrency)]
     pipe = Pipeline(TRUE, 4, max_in_flight=5)

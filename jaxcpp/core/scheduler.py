@@ -15,7 +15,7 @@ step k's tokens the first stage reads its input from (`feedback_row`), so the ho
 token it only passes back. Not when that token must be its last (max_tokens, max-model-len); if it
 turns out to be a stop, the extra token is dropped when it arrives and its pages are already free.
 
-Prefix caching (`jaxcpp.page_allocator`, `jaxcpp.prefix_cache`): a request is admitted with the longest
+Prefix caching (`jaxcpp.core.page_allocator`, `jaxcpp.core.prefix_cache`): a request is admitted with the longest
 prefix of whole pages the cache holds already computed, never its last token (whose logits sample the
 next one), so at most (num_tokens - 1) // page_size pages; chunks and the token budget count only the
 rest. A preempted request is admitted the same way and finds its own pages if they were not evicted.
@@ -36,17 +36,17 @@ forwards the step's timing and the finished requests to the chunk sizer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from jaxcpp.config import SchedulerConfig
-from jaxcpp.executor import Logprobs, StepResult
-from jaxcpp.outputs import TokenLogprobs
-from jaxcpp.page_allocator import PageAllocator
-from jaxcpp.prefix_cache import PageHash
-from jaxcpp.sequence import Sequence, SequenceStatus
-from jaxcpp.step_input import ScheduledChunk, SchedulerOutput
+from jaxcpp.core.executor import Logprobs, StepResult
+from jaxcpp.core.outputs import TokenLogprobs
+from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.prefix_cache import PageHash
+from jaxcpp.core.sequence import Sequence, SequenceStatus
+from jaxcpp.core.step_input import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ChunkSizer", "FixedChunkSizer", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StopRule"]
 
@@ -65,8 +65,10 @@ class ChunkRequest(Protocol):
 
 
 class ChunkSizer(Protocol):
-    """Dynamic chunking's one seam: how many prompt tokens a prefilling sequence takes this step, and
-    what it learns from the steps that ran (`jaxcpp.chunking.controller.DynamicChunkController`)."""
+    """Dynamic chunking's one seam with the scheduler, and all the scheduler asks of it: how many prompt
+    tokens a prefilling sequence takes this step, and what it learns from the steps that ran
+    (`jaxcpp.chunking.controller.DynamicChunkController`; its start-up sweep and its stats are the
+    engine's business with the controller, not the scheduler's)."""
 
     @property
     def needs_ack(self) -> bool: ...
@@ -79,12 +81,6 @@ class ChunkSizer(Protocol):
                       request_id: Hashable) -> None: ...
 
     def finish_request(self, request_id: Hashable) -> None: ...
-
-    def run_startup_sweep(self, forward: Callable[[int], float]) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def report(self) -> str | None: ...
 
 
 class FixedChunkSizer:
@@ -104,15 +100,6 @@ class FixedChunkSizer:
 
     def finish_request(self, request_id: Hashable) -> None:
         pass
-
-    def run_startup_sweep(self, forward: Callable[[int], float]) -> None:
-        pass
-
-    def stats(self) -> dict[str, Any]:
-        return {"state": "off"}
-
-    def report(self) -> str | None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -170,13 +157,13 @@ class Scheduler:
     def schedule(self, feedback_from: int | None = None) -> SchedulerOutput:
         """The next step; `feedback_from`: a step still in flight whose tokens this one may take."""
         out = SchedulerOutput(step_id=self.num_steps, feedback_from=feedback_from)
-        self.num_steps += 1
         self.chunk_sizer.observe_step(self._num_prefill_sources())
         budget_left = self.config.max_num_batched_tokens
         budget_left = self._schedule_decodes(out, budget_left)
         budget_left = self._schedule_prefills(out, budget_left, self._running_prefills())
         self._schedule_prefills(out, budget_left, list(self.waiting), admit=True)
         out.ack = self.chunk_sizer.needs_ack
+        self.num_steps += not out.is_empty  # ids count the steps that run: consecutive from 0
         return out
 
     def postprocess(self, sched: SchedulerOutput, result: StepResult, now: float) -> list[Sequence]:
@@ -225,7 +212,7 @@ class Scheduler:
         chunk = sched.chunks[0]
         if chunk.start >= len(chunk.seq.prompt_token_ids):
             return  # a decode
-        self.chunk_sizer.record_timing(result.timings[0].num_tokens, chunk.start, seconds, True,
+        self.chunk_sizer.record_timing(result.timings[0].num_tokens_padded, chunk.start, seconds, True,
                                        chunk.seq.request_id)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -251,7 +238,7 @@ class Scheduler:
                 continue
             if not self._make_room(seq, 1, out):
                 continue  # seq itself was preempted
-            self._take(out, seq, 1, feedback_row=seq.pending_row if placeholder else -1)
+            self._take(out, seq, 1, feedback_row=seq.feedback_row if placeholder else -1)
             out.num_decodes += 1
             budget_left -= 1
         return budget_left

@@ -57,9 +57,6 @@ class InFlight(Generic[Step]):
         self._num_decoding -= decodes
         return step
 
-    def replace_oldest(self, step: Step) -> None:
-        self._steps[0] = (step, self._steps[0][1])
-
     def __len__(self) -> int:
         return len(self._steps)
 

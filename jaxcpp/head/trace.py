@@ -1,10 +1,10 @@
 """`--trace-file out.json`: the pipeline's timing probes as a Chrome/Perfetto trace.
 
-One row (thread) per stage, one complete event ("ph": "X") per micro-batch and stage spanning its
-forward (see `jaxcpp.runtime.timing`), so the pipeline and its bubbles are the gaps between boxes.
-Below them a "host" row holds the engine loop's phases of every step (schedule, build, dispatch,
-wait, postprocess; `jaxcpp.executor.HostPhase`) and the garbage collector's pauses ("gc"), so a
-reader sees which gaps the host caused.
+One row (thread) per stage, one complete event ("ph": "X") per step and stage spanning its forward
+(see `jaxcpp.runtime.timing`), so the pipeline and its bubbles are the gaps between boxes. Below them
+a "host" row holds the engine loop's phases of every step (schedule, build, dispatch, wait,
+postprocess; `jaxcpp.core.executor.HostPhase`) and the garbage collector's pauses ("gc"), so a reader
+sees which gaps the host caused. Both rows name a step by the scheduler's step id ("step 12").
 Open the file in https://ui.perfetto.dev or chrome://tracing.
 
 Events are streamed as the watcher threads produce them, in the JSON Array Format, whose closing `]`
@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from jaxcpp.executor import HostPhase, StageTiming
+from jaxcpp.core.executor import HostPhase, StageTiming
 
 FLUSH_EVERY = 64  # events; the file is also flushed on close
 
@@ -48,12 +48,12 @@ class TraceWriter:
         return round((t - self._origin) * 1e6, 3)
 
     def add(self, t: StageTiming) -> None:
-        """One stage's forward of one micro-batch (thread-safe; called from the watcher threads)."""
+        """One stage's forward of one step (thread-safe; called from the watcher threads)."""
         self._write({
             "ph": "X", "pid": 0, "tid": t.stage, "cat": "forward",
-            "name": f"mb {t.ticket} ({t.num_tokens} tok)",
+            "name": f"step {t.step_id} ({t.num_tokens_padded} tok)",
             "ts": self._us(t.start), "dur": round(t.forward * 1e6, 3),
-            "args": {"ticket": t.ticket, "stage": t.stage, "num_tokens": t.num_tokens,
+            "args": {"step": t.step_id, "stage": t.stage, "num_tokens_padded": t.num_tokens_padded,
                      "dispatched_us": self._us(t.dispatched), "inputs_ready_us": self._us(t.inputs_ready)},
         })
 

@@ -7,7 +7,7 @@ A step whose chunk reaches the last token samples one new token; until that toke
 sequence is `awaiting_token` (`num_pending` tokens sampled on the device, not yet on the host).
 With async scheduling a decode may be scheduled while its input token is still pending: the step
 takes it on the device from the output of the step that samples it (`pending_step`, row
-`pending_row`), so `num_computed_tokens` runs one ahead of the tokens the host knows.
+`feedback_row`), so `num_computed_tokens` runs one ahead of the tokens the host knows.
 
 With prefix caching a sequence is admitted with its cached prefix already computed: `pages[:n]` were
 found in the cache or published to it (`num_published_pages`), `admission_prefix` is how many tokens
@@ -20,8 +20,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxcpp.outputs import RequestMetrics, TokenLogprobs
-from jaxcpp.prefix_cache import PageHash, PageHashes
+from jaxcpp.core.outputs import RequestMetrics, TokenLogprobs
+from jaxcpp.core.prefix_cache import PageHash, PageHashes
 from jaxcpp.sampling_params import SamplingParams
 
 
@@ -44,7 +44,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_pending: int = 0                        # tokens scheduled to be sampled, not yet collected
     pending_step: int = -1                      # the step that samples the newest pending token ...
-    pending_row: int = -1                       # ... and its row in that step's tokens
+    feedback_row: int = -1                      # ... and its row in that step's tokens
     finish_reason: str | None = None
     num_preemptions: int = 0
     logits: list[Any] = field(default_factory=list)  # per sampled token, only when the engine records them
@@ -75,7 +75,7 @@ class Sequence:
     def expect_token(self, step_id: int, row: int) -> None:
         """A scheduled chunk of step `step_id` samples this sequence's next token, in row `row`."""
         self.num_pending += 1
-        self.pending_step, self.pending_row = step_id, row
+        self.pending_step, self.feedback_row = step_id, row
 
     def receive_token(self, token: int) -> None:
         """The oldest pending token is back on the host."""

@@ -1,7 +1,7 @@
 """The engine loop: schedule -> submit -> collect -> postprocess. Host only: no jax, even transitively.
 
 The engine owns the host state (requests, pages, scheduler) and talks to the model only through an
-executor (`jaxcpp.executor`): step inputs go in, host arrays come back. With a pipeline of P stages up
+executor (`jaxcpp.core.executor`): step inputs go in, host arrays come back. With a pipeline of P stages up
 to P steps are in flight: the loop keeps submitting while the pipe has room and something can be
 scheduled, and collects the oldest step when the pipe is full or there is nothing new to send.
 
@@ -26,23 +26,22 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
+from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
+from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
+from jaxcpp.core.in_flight import InFlight
+from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
+from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
+from jaxcpp.core.sequence import Sequence
+from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.stats_logger import StatsLogger
+from jaxcpp.core.step_input import build_step_input
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.executor import Executor, ExecutorError, HostPhase, StepResult
-from jaxcpp.gc_heap import GcWatch, freeze_startup_heap, thaw
-from jaxcpp.in_flight import InFlight
-from jaxcpp.models.spec import resolve_model_spec
-from jaxcpp.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
-from jaxcpp.page_allocator import PageAllocator
+from jaxcpp.models.spec import ModelSpec, resolve_model_spec
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
-from jaxcpp.scheduler import ChunkSizer, FixedChunkSizer, Scheduler, SchedulerOutput, StopRule
-from jaxcpp.sequence import Sequence
-from jaxcpp.sizing import EngineSizing
-from jaxcpp.stats_logger import StatsLogger
-from jaxcpp.step_input import build_step_input
 
 log = logging.getLogger(__name__)
 
@@ -51,35 +50,34 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, *,
                  record_logits: bool = False, freeze_heap: bool | None = None) -> None:
         """`freeze_heap`: freeze start-up's objects out of the garbage collector's way after warm-up
-        (`jaxcpp.gc_heap`). Default: when the engine builds its executor itself (a server, `LLM(model=)`);
+        (`jaxcpp.core.gc_heap`). Default: when the engine builds its executor itself (a server, `LLM(model=)`);
         not when handed one (tests and tools build many engines per process, and each freeze walks the
         whole heap once, ~0.25 s)."""
         self.config = config
         self.record_logits = record_logits
         spec = resolve_model_spec(config.model.model, config.model.dtype)  # a bad folder fails first
-        device = _device_side() if executor is None else None
-        if device is not None:
-            spec = spec.with_dtype(device.resolve_dtype(config.model.dtype))
-        self.sizing = EngineSizing.plan(config, spec)
+        built_here = executor is None
+        if executor is None:
+            executor, self.sizing = build_executor(config, spec)
+        else:
+            self.sizing = EngineSizing.plan(config, spec)
         self.tokenizer = self.sizing.spec.tokenizer
-        if device is not None:
-            executor = device.build_executor(config, self.sizing)
-        assert executor is not None
         self.executor: Executor = executor
         self.allocator = PageAllocator(self.sizing.num_pages)
-        self.chunking: ChunkSizer = self._build_chunk_sizer()
+        self.chunking = self._build_chunk_controller()  # None: fixed chunks (Sarathi's rule)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.sizing.page_size, self.chunking,
                                    StopRule(self.sizing.eos_token_ids, self.sizing.max_model_len),
                                    prefix_caching=config.cache.enable_prefix_caching)
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
-        self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
+        if self.chunking is not None:
+            self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
         self._compilations_at_warmup = self.executor.num_compilations()
-        self._frozen = device is not None if freeze_heap is None else freeze_heap
-        if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.gc_heap)
+        self._frozen = built_here if freeze_heap is None else freeze_heap
+        if self._frozen:  # a full GC pass over start-up's objects stalled every stream (jaxcpp.core.gc_heap)
             freeze_startup_heap()
         self.async_scheduling = config.scheduler.async_scheduling
-        self._in_flight: InFlight[tuple[SchedulerOutput, int]] = InFlight(
-            self.executor.max_in_flight + self.async_scheduling)  # (step, ticket)
+        self._in_flight: InFlight[SchedulerOutput] = InFlight(self.executor.max_in_flight + self.async_scheduling)
+        self._released: set[int] = set()  # steps in flight the executor holds nothing of (failed there)
         self._aborted: list[RequestOutput] = []
         self._phases = PhaseRecorder()
         self._seed_rng = random.Random(config.model.seed)
@@ -89,9 +87,9 @@ class LLMEngine:
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
                  self.allocator.num_usable, self.sizing.page_size)
 
-    def _build_chunk_sizer(self) -> ChunkSizer:
+    def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.chunking.enable_dynamic_chunking:
-            return FixedChunkSizer()
+            return None
         return DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
                                                   max_model_len=self.sizing.max_model_len)
 
@@ -131,7 +129,7 @@ class LLMEngine:
     def _encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model folder has no tokenizer.json: send token ids")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt) if prompt else []  # empty text is an empty prompt, BOS or not
 
     def abort_request(self, request_id: str, reason: str = "abort") -> None:
         """End a request now and free its pages; `reason` "stop" when the edge matched a stop string."""
@@ -164,7 +162,7 @@ class LLMEngine:
     def _log_stats(self, busy_s: float) -> None:
         self._stats.add_busy(busy_s)
         if self._stats.due():
-            self._stats.log(self.stats(), self.chunking.report())
+            self._stats.log(self.stats(), self.chunking.report() if self.chunking is not None else None)
 
     def _pipe_has_room(self) -> bool:
         return self._in_flight.has_room()
@@ -173,35 +171,35 @@ class LLMEngine:
         oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
-            sched = self.scheduler.schedule(feedback_from=oldest[0].step_id if oldest else None)
+            sched = self.scheduler.schedule(feedback_from=oldest.step_id if oldest else None)
         if sched.is_empty:
             return False
         with phase("build"):
             step = build_step_input(sched, self.sizing.shape)
         try:
             with phase("dispatch"):
-                ticket = self.executor.submit(step, want_tokens=sched.samples, want_logits=self.record_logits,
-                                              ack=sched.ack,
-                                              feedback_from=oldest[1] if oldest and sched.feeds_back else None,
-                                              want_logprobs=sched.wants_logprobs,
-                                              want_prompt_logprobs=sched.wants_prompt_logprobs)
+                self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
+                                     ack=sched.ack, feedback_from=sched.feedback_from if sched.feeds_back else None,
+                                     want_logprobs=sched.wants_logprobs,
+                                     want_prompt_logprobs=sched.wants_prompt_logprobs)
         except ExecutorError:
-            self._in_flight.append((sched, -1), sched.num_decodes > 0)  # never submitted: fails with those in flight
+            self._in_flight.append(sched, sched.num_decodes > 0)  # never submitted: it fails with those in flight
+            self._released.add(sched.step_id)
             raise
-        self._in_flight.append((sched, ticket), sched.num_decodes > 0)
+        self._in_flight.append(sched, sched.num_decodes > 0)
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
 
     def _collect_oldest(self) -> list[RequestOutput]:
-        sched, ticket = self._in_flight.oldest  # taken off only once collected: a failure keeps it
+        sched = self._in_flight.oldest  # taken off only once collected: a failure keeps it
         phase = self._phases.timer(sched.step_id)
         try:
             with phase("wait"):
-                result = self.executor.collect(ticket)
+                result = self.executor.collect(sched.step_id)
             self._check_tokens(sched, result)
         except ExecutorError:
-            self._in_flight.replace_oldest((sched, -1))  # the executor holds nothing more of it
+            self._released.add(sched.step_id)  # the executor holds nothing more of it
             raise
         self._in_flight.popleft()
         with phase("postprocess"):
@@ -227,30 +225,38 @@ class LLMEngine:
         now, outputs = time.monotonic(), []
         self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
         while self._in_flight:
-            sched, ticket = self._in_flight.popleft()
-            if ticket >= 0 and not error.fatal:
-                self._discard(ticket)  # the executor keeps running: take back what it still holds
+            sched = self._in_flight.popleft()
+            if sched.step_id not in self._released and not error.fatal:
+                self._discard(sched.step_id)  # the executor keeps running: take back what it still holds
             for chunk in sched.chunks:
                 if not chunk.seq.is_finished:
                     self.scheduler.finish(chunk.seq, "error", now)
                     outputs.append(dataclasses.replace(self._output(chunk.seq, []), error=str(error)))
+        self._released.clear()
         if error.fatal:
             raise error
         return outputs
 
-    def _discard(self, ticket: int) -> None:
+    def _discard(self, step_id: int) -> None:
         try:
-            self.executor.collect(ticket)
+            self.executor.collect(step_id)
         except ExecutorError as e:
             log.error("a step in flight with the failed one failed too: %s", e)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        p = seq.params
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids,
-                             seq.is_finished, seq.finish_reason, seq.metrics,
+        """What this step added to `seq` (and, once it finished, all its tokens)."""
+        p, generated = seq.params, seq.output_token_ids
+        new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_token_ids):] if p.logprobs is not None else None
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(generated) if seq.is_finished else [],
+                             new_token_ids, seq.is_finished, seq.finish_reason, seq.metrics,
                              logits=seq.logits or None, num_cached_tokens=seq.num_cached_tokens,
-                             logprobs=list(seq.logprobs) if p.logprobs is not None else None,
-                             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None)
+                             logprobs=new_logprobs,
+                             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
+                             num_generated=len(generated))
+
+    def add_failure_listener(self, callback: FailureListener) -> None:
+        """`callback(error)` when the executor fails between steps (a stage process died while idle)."""
+        self.executor.add_failure_listener(callback)
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -262,7 +268,7 @@ class LLMEngine:
             num_prompt_tokens_total=self._stats.prompt_tokens_total,
             num_generation_tokens_total=self._stats.generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
-            dynamic_chunking=self.chunking.stats(),
+            dynamic_chunking=self.chunking.stats() if self.chunking is not None else {"state": "off"},
             num_prefix_cache_queried_tokens_total=self.scheduler.prefix_queried_tokens,
             num_prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             num_pages_cached=self.allocator.num_cached,
@@ -278,8 +284,9 @@ class LLMEngine:
 
 def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSizing,
                   scheduler: SchedulerConfig) -> None:
-    """Refuse a request the engine cannot run, naming the field (`InvalidRequestError`). Needs only the
-    sizing, so `jaxcpp generate` checks its prompt before it loads the model and compiles."""
+    """Refuse a request the engine cannot run, naming the field (`InvalidRequestError`): the one place
+    these checks are made, for every front end (an empty prompt included). Needs only the sizing, so
+    `jaxcpp generate` checks its prompt before it loads the model and compiles."""
     max_len, vocab = sizing.max_model_len, sizing.spec.config.vocab_size
     if not token_ids:
         raise InvalidRequestError("prompt", "is empty")
@@ -328,9 +335,16 @@ class PhaseRecorder:
         self._gc.close()
 
 
-def _device_side() -> Any:
-    """The device side (`jaxcpp.runtime.factory`), imported here so that importing the engine never
-    imports jax: only building the real executor does."""
+def build_executor(config: EngineConfig, spec: ModelSpec) -> tuple[Executor, EngineSizing]:
+    """The real executor and the sizing it runs with, both settled where the backend is known (`--dtype
+    auto` depends on it). Imported here, so that importing the engine imports no jax: a multi-process
+    pipeline's head asks its stages and never imports jax at all (`jaxcpp.head.mp_executor`); in
+    process, the device side does it (`jaxcpp.runtime.factory`)."""
+    if config.parallel.executor_backend == "mp":
+        from jaxcpp.head.mp_executor import MultiProcessExecutor
+
+        mp = MultiProcessExecutor(config, spec)
+        return mp, mp.sizing
     from jaxcpp.runtime import factory
 
-    return factory
+    return factory.build_executor(config, spec)

@@ -1,20 +1,25 @@
 """The contract between the engine (host) and whatever runs the model. Host data both ways; no jax.
 
     seconds = executor.warmup(shape)            # compile every program the engine will use
-    ticket = executor.submit(step, want_tokens=True, want_logits=False, ack=False, feedback_from=None,
-                             want_logprobs=False, want_prompt_logprobs=False)
-    result = executor.collect(ticket)           # FIFO, numpy arrays only
+    executor.submit(step_id, step, want_tokens=True, want_logits=False, ack=False, feedback_from=None,
+                    want_logprobs=False, want_prompt_logprobs=False)
+    result = executor.collect(step_id)          # numpy arrays only
     seconds = executor.time_attention_free_forward(num_tokens)   # the calibration sweep
     executor.num_compilations()                 # programs compiled since the executor was built
     executor.record_host_phases(phases)         # the engine loop's own time, for the trace
+    executor.add_failure_listener(callback)     # callback(error): it failed on its own, between steps
     executor.close()
 
-The pipe holds `max_in_flight` micro-batches (the pipeline depth P); one more may be outstanding, the
-step an async engine submits before it collects the oldest. What crosses the contract:
+A step has one id from the scheduler to the executor to the trace: the scheduler's `step_id` (>= 0,
+increasing). The engine owns the one queue of steps in flight (`jaxcpp.core.in_flight`): how many
+(`max_in_flight`, the pipeline depth P, is the executor's depth; the queue's rule adds the step an
+async engine submits before it collects the oldest), and that they are collected oldest first, and
+only steps in flight are fed back from. An executor keeps what it needs of each step by its id and
+checks none of those rules again. Its own steps (warm-up) take ids below zero. What crosses the contract:
 
     engine -> executor   StepInput (padded numpy arrays, a few KB) + three flags, and `feedback_from`:
-                         a ticket still in flight whose sampled tokens this step's placeholder decodes
-                         read on the device (`StepInput.feedback_rows`), never through the host
+                         the id of a step still in flight whose sampled tokens this step's placeholder
+                         decodes read on the device (`StepInput.feedback_rows`), never through the host
     executor -> engine   StepResult: tokens [S] (unless want_tokens=False: a step of middle prefill
                          chunks samples nothing and is collected without waiting for the device),
                          logits [S, V] when asked at submit, and with `ack` each stage's StageTiming;
@@ -25,28 +30,32 @@ step an async engine submits before it collects the oldest. What crosses the con
 `ack`: collect waits until the last stage has acknowledged the micro-batch, i.e. every stage finished
 and timed it (dynamic chunking needs the timing before it sizes the next chunk). A failed stage or
 device surfaces as `ExecutorError` from submit or collect; the engine fails the requests it affected.
+An executor that can fail on its own (a stage process that dies while the engine idles) also tells
+its failure listeners at once; the others never call them.
 
-Implementations: `jaxcpp.runtime.pipeline.PipelineExecutor` (P stages in this process, P = 1 included)
-and `jaxcpp.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax).
+Implementations: `jaxcpp.runtime.pipeline.PipelineExecutor` (P stages in this process, P = 1 included),
+`jaxcpp.head.mp_executor.MultiProcessExecutor` (one process per stage) and
+`jaxcpp.core.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from jaxcpp.step_input import StepInput, StepShape
+from jaxcpp.core.step_input import StepInput, StepShape
 
 
 @dataclass(frozen=True)
 class StageTiming:
-    """When one stage ran one micro-batch (perf_counter seconds, or a fake executor's clock)."""
+    """When one stage ran one step (perf_counter seconds, or a fake executor's clock)."""
 
-    ticket: int
+    step_id: int
     stage: int
-    num_tokens: int       # the padded token count that ran (the bucket)
+    num_tokens_padded: int  # the padded token count that ran (the bucket)
     traced: bool          # False for warm-up batches
     dispatched: float
     inputs_ready: float
@@ -102,16 +111,19 @@ class ExecutorError(RuntimeError):
         self.fatal = fatal
 
 
+FailureListener = Callable[[ExecutorError], None]
+
+
 class Executor(Protocol):
     max_in_flight: int
 
     def warmup(self, shape: StepShape) -> float: ...
 
-    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> int: ...
+               want_prompt_logprobs: bool = False) -> None: ...
 
-    def collect(self, ticket: int) -> StepResult: ...
+    def collect(self, step_id: int) -> StepResult: ...
 
     def time_attention_free_forward(self, num_tokens: int) -> float:
         """Seconds of one forward of a token bucket with attention skipped, on the slowest stage."""
@@ -121,6 +133,11 @@ class Executor(Protocol):
 
     def record_host_phases(self, phases: list[HostPhase]) -> None:
         """The engine loop's phases of one `step()`, for the trace (`--trace-file`); may ignore them."""
+        ...
+
+    def add_failure_listener(self, callback: FailureListener) -> None:
+        """`callback(error)` once, from any thread, when the executor fails outside submit and collect
+        (the server turns NOT_SERVING even while the engine idles); at once if it already failed."""
         ...
 
     def close(self) -> None: ...

@@ -1,8 +1,9 @@
 """The multi-process executor, head side: one OS process per pipeline stage, on one host or many.
 
-    executor = MultiProcessExecutor(config, sizing)   # spawns (or waits for) P stage processes
-    ticket = executor.submit(step)     # the step packed once, the same few KB sent to every stage
-    result = executor.collect(ticket)  # FIFO; tokens / logits / timings from the last stage
+    executor = MultiProcessExecutor(config, spec)     # spawns (or waits for) P stage processes, sizes
+    executor.sizing                                   # the engine on their backend, sends them that sizing
+    executor.submit(step_id, step)      # the step packed once, the same few KB sent to every stage
+    result = executor.collect(step_id)  # tokens / logits / timings from the last stage
 
 Topology (docs/pipeline.md):
 
@@ -16,7 +17,7 @@ On one host (`--distributed-executor-backend mp`) the head spawns the P stage pr
 127.0.0.1. With `--num-processes P --process-id I` every host runs `jaxcpp serve`: process 0 is the head
 and spawns stage 0 beside itself, host I runs stage I (`jaxcpp.runtime.stage_process.serve_stage`); the
 control channel listens on the coordinator's port + 1, and each stage advertises its host's address
-(`jaxcpp.runtime.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
+(`jaxcpp.head.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
 passes through the head, which keeps its last lines to say why it ended.
 
 One reader thread per stage receives what the stage sends (timings, the last stage's results,
@@ -48,12 +49,13 @@ from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.executor import ExecutorError, HostPhase, Logprobs, StageTiming, StepResult
-from jaxcpp.runtime import wire
-from jaxcpp.runtime.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
-from jaxcpp.runtime.trace import TraceWriter
-from jaxcpp.sizing import EngineSizing
-from jaxcpp.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
+from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.head import wire
+from jaxcpp.head.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
+from jaxcpp.head.trace import TraceWriter
+from jaxcpp.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ PIN_ENV = "JAXCPP_PIN_STAGE_CORES"   # "1": each stage on its own cores, single-
 MAX_KEPT = 100_000                   # timing records kept for timings() / probes()
 STOP_GRACE_S = 5.0                   # a stage told to stop gets this long before it is killed
 FAILED_STOP_GRACE_S = 0.5            # ... after a failure, when it may be blocked on a dead peer
+WARMUP_STEP_ID = -1                  # its own step (the scheduler's are >= 0)
 PEER_DEATH_WAIT_S = 0.5              # a stage's error waits this long for a dead peer's to come first
 
 
@@ -74,6 +77,7 @@ class _StageLink:
     address: str = ""                      # the address it advertises (its transfer server binds it)
     transfer: str = ""                     # its transfer server, once ready
     compilations: int = 0                  # the stage's own count, as of its latest message
+    sized: tuple[str, int] | None = None   # the (dtype, KV pages) it built, as it reported them
     clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
     process: subprocess.Popen[bytes] | None = None   # when the head spawned it
     log_tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
@@ -94,14 +98,12 @@ class _StageLink:
 
 
 @dataclasses.dataclass
-class _Pending:
-    ticket: int
+class _Submitted:
     want_tokens: bool
     want_logits: bool
     ack: bool
-    submitted: float
-    want_logprobs: bool = False
-    want_prompt_logprobs: bool = False
+    want_logprobs: bool
+    want_prompt_logprobs: bool
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -146,17 +148,20 @@ def forward_log(ln: _StageLink, stream: Any) -> None:
 
 
 class MultiProcessExecutor:
-    def __init__(self, config: EngineConfig, sizing: EngineSizing) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
+        """`spec`: the model folder's, with the dtype asked for; `--dtype auto` is resolved on the stages'
+        backend, which only they hold (`sizing`, set once they said which)."""
         p = config.parallel
         self.num_stages = p.pipeline_parallel_size
         self.max_in_flight = self.num_stages
         self._config = config
-        self._sizing = sizing
+        self._spec = spec
+        self.sizing: EngineSizing  # set by the start-up, before any stage builds its layers
         self._lock = threading.Condition()
         self._failure: ExecutorError | None = None
-        self._failure_listeners: list[Any] = []
+        self._failure_listeners: list[FailureListener] = []
         self._closed = False
-        self._pending: collections.deque[_Pending] = collections.deque()
+        self._submitted: dict[int, _Submitted] = {}  # by step id, until collected
         self._results: dict[int, tuple[dict[str, Any], list[Any]]] = {}
         # Async scheduling across processes: the last stage offers each sampled step's tokens to the
         # first as soon as it has them; the first pulls the one a step feeds back from, and drains
@@ -169,7 +174,6 @@ class MultiProcessExecutor:
         self._history: collections.deque[StageTiming] = collections.deque(maxlen=MAX_KEPT)
         self._probes: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_KEPT)
         self._submit_times: dict[int, float] = {}
-        self._next_ticket = 0
         self._traced = False
         self._shape: StepShape | None = None
         self._trace: TraceWriter | None = None
@@ -254,26 +258,50 @@ class MultiProcessExecutor:
             if ln.host != socket.gethostname():
                 ln.clock_offset = time.perf_counter() - hello["clock"]  # one-way latency ignored
             wire.send(conn, self._setup_for(s))
+        self._size_stages(deadline)
         self._await_ready(deadline)
 
-    def _await_ready(self, deadline: float) -> None:
-        """Each stage loads in parallel; wait for all. The first that fails (an error, or its process
-        ended) stops the start-up at once, whichever it is: the others wait on it inside jax.distributed."""
-        loading = {ln.index: ln for ln in self.links}
-        while loading:
-            if time.monotonic() > deadline:
-                raise ExecutorError(f"stages {sorted(loading)} not ready within {START_TIMEOUT_S:.0f}s")
-            connection_wait([ln.conn for ln in loading.values()], timeout=0.2)
-            for ln in list(loading.values()):
-                header = self._start_message(ln)
-                if header is not None:
-                    del loading[ln.index]
-                    ln.transfer = header["transfer"]
-                    log.info("stage %d/%d ready: %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
-                             ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+    def _size_stages(self, deadline: float) -> None:
+        """Every stage says which backend it holds; the head resolves `--dtype auto` on it, sizes the engine
+        once and sends that sizing to every stage, which builds its layers and KV pages from it."""
+        backends = {ln.index: header["backend"] for ln, header in self._await_all("backend", deadline)}
+        if len(set(backends.values())) > 1:
+            raise ExecutorError(f"the stages hold different backends (stage: backend): {backends}")
+        dtype = dtype_on_backend(self._config.model.dtype, backends[0])
+        if dtype != self._config.model.dtype:
+            log.info("--dtype auto on the stages' %s backend: %s", backends[0], dtype)
+        self.sizing = EngineSizing.plan(self._config, self._spec.with_dtype(dtype))
+        for ln in self.links:
+            wire.send(ln.conn, {"op": "sizing", "sizing": self.sizing.to_message()})
 
-    def _start_message(self, ln: _StageLink) -> dict[str, Any] | None:
-        """Stage `ln`'s ready message if it is there; ExecutorError if the stage failed or ended."""
+    def _await_ready(self, deadline: float) -> None:
+        """Each stage loads in parallel and says what it built; it must be what the head sized."""
+        sized = (self.sizing.spec.config.dtype, self.sizing.num_pages)
+        for ln, header in self._await_all("ready", deadline):
+            ln.transfer = header["transfer"]
+            ln.sized = (header["dtype"], header["num_pages"])
+            if ln.sized != sized:
+                raise ln.error(f"built (dtype, KV pages) {ln.sized}, the head sized {sized}")
+            log.info("stage %d/%d ready: %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
+                     ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
+
+    def _await_all(self, op: str, deadline: float) -> list[tuple[_StageLink, dict[str, Any]]]:
+        """Every stage's start-up message `op`, in stage order. The first stage that fails (an error, or its
+        process ended) stops the start-up at once: the others may wait on it inside jax.distributed."""
+        waiting, got = {ln.index: ln for ln in self.links}, []
+        while waiting:
+            if time.monotonic() > deadline:
+                raise ExecutorError(f"stages {sorted(waiting)} not ready within {START_TIMEOUT_S:.0f}s")
+            connection_wait([ln.conn for ln in waiting.values()], timeout=0.2)
+            for ln in list(waiting.values()):
+                header = self._start_message(ln, op)
+                if header is not None:
+                    del waiting[ln.index]
+                    got.append((ln, header))
+        return sorted(got, key=lambda item: item[0].index)
+
+    def _start_message(self, ln: _StageLink, op: str) -> dict[str, Any] | None:
+        """Stage `ln`'s message `op` if it is there; ExecutorError if the stage failed or ended."""
         if not ln.conn.poll(0):
             if ln.process is not None and ln.process.poll() is not None:
                 raise ln.error(f"failed during start-up: {how_it_ended(ln)}")
@@ -284,7 +312,7 @@ class MultiProcessExecutor:
             raise ln.error(f"failed during start-up: {how_it_ended(ln)}") from None
         if header["op"] == "error":
             raise ln.error(header["message"])
-        return header if header["op"] == "ready" else None
+        return header if header["op"] == op else None
 
     def _setup_for(self, stage: int) -> dict[str, Any]:
         tp = self._config.parallel.tensor_parallel_size
@@ -342,22 +370,22 @@ class MultiProcessExecutor:
 
     def _on_timing(self, ln: _StageLink, h: dict[str, Any]) -> None:
         off = ln.clock_offset
-        ticket = h["id"]
+        step_id = h["id"]
         with self._lock:
-            submitted = self._submit_times.get(ticket, float("nan"))
-            timing = StageTiming(ticket, ln.index, h["num_tokens"], self._traced, submitted, h["inputs_ready"] + off,
+            submitted = self._submit_times.get(step_id, float("nan"))
+            timing = StageTiming(step_id, ln.index, h["num_tokens"], self._traced, submitted, h["inputs_ready"] + off,
                                  h["start"] + off, h["done"] + off)
             local = ("idle_since", "received", "pull_start", "inputs_ready", "start", "done")
             self._probes.append({**h, **{k: h[k] + off for k in local}, "submitted": submitted})
-            parts = self._partial.setdefault(ticket, {})
+            parts = self._partial.setdefault(step_id, {})
             parts[ln.index] = timing
             if len(parts) < self.num_stages:
                 return
-            del self._partial[ticket]
-            self._submit_times.pop(ticket, None)
+            del self._partial[step_id]
+            self._submit_times.pop(step_id, None)
             ordered = tuple(parts[s] for s in range(self.num_stages))
             self._history.extend(ordered)
-            self._acked[ticket] = ordered
+            self._acked[step_id] = ordered
             self._lock.notify_all()
         if self._trace is not None and timing.traced:
             for t in ordered:
@@ -396,53 +424,46 @@ class MultiProcessExecutor:
         self._broadcast({"op": "warmup"})
         for ln in self.links:
             self._reply(ln, "warmup")
-        self.collect(self.submit(padding_step(shape.token_buckets[0], shape), want_logits=True, ack=True))
+        self.submit(WARMUP_STEP_ID, padding_step(shape.token_buckets[0], shape), want_logits=True, ack=True)
+        self.collect(WARMUP_STEP_ID)
         self._traced = True
         log.info("warm-up on %d stage processes: %.1fs", self.num_stages, time.perf_counter() - start)
         return time.perf_counter() - start
 
-    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> int:
+               want_prompt_logprobs: bool = False) -> None:
         self._raise_if_failed()
-        if feedback_from is not None and all(p.ticket != feedback_from for p in self._pending):
-            raise ValueError(f"feedback_from={feedback_from} is not in flight")
-        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         buf, layout = pack(step)
         offer = self._offers_tokens and want_tokens
         self._offered.discard(feedback_from)
-        header = {"op": "step", "id": ticket, "num_tokens": step.num_tokens_padded,
+        header = {"op": "step", "id": step_id, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
                   "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
                   "offer_tokens": offer, "drain_tokens": self._to_drain, "want_logprobs": want_logprobs,
                   "want_prompt_logprobs": want_prompt_logprobs, "needs_full_sampler": step.needs_full_sampler}
         self._to_drain = []
         if offer:
-            self._offered.add(ticket)
+            self._offered.add(step_id)
         with self._lock:
-            self._submit_times[ticket] = time.perf_counter()
+            self._submit_times[step_id] = time.perf_counter()
         self._broadcast(header, [buf])
-        self._pending.append(_Pending(ticket, want_tokens, want_logits, ack, time.perf_counter(), want_logprobs,
-                                      want_prompt_logprobs))
-        return ticket
+        self._submitted[step_id] = _Submitted(want_tokens, want_logits, ack, want_logprobs, want_prompt_logprobs)
 
-    def collect(self, ticket: int) -> StepResult:
+    def collect(self, step_id: int) -> StepResult:
         """Once every stage has timed the step (it left the pipe, holding no activation any more), with
         the last stage's tokens / logits / logprobs when the step asked for them."""
-        if not self._pending or self._pending[0].ticket != ticket:
-            expected = self._pending[0].ticket if self._pending else None
-            raise ValueError(f"tickets are collected in FIFO order: expected {expected}, got {ticket}")
-        head = self._pending.popleft()
-        if ticket in self._offered:  # no step submitted from now on can feed back from it
-            self._offered.remove(ticket)
-            self._to_drain.append(ticket)
+        head = self._submitted.pop(step_id)
+        if step_id in self._offered:  # no step submitted from now on can feed back from it
+            self._offered.remove(step_id)
+            self._to_drain.append(step_id)
         needs_result = head.want_tokens or head.want_logits or head.want_logprobs or head.want_prompt_logprobs
         with self._lock:
-            while not ((not needs_result or ticket in self._results) and ticket in self._acked):
+            while not ((not needs_result or step_id in self._results) and step_id in self._acked):
                 self._raise_if_failed()
                 self._lock.wait(0.5)
-            header, arrays = self._results.pop(ticket, ({}, []))
-            timings = self._acked.pop(ticket)
+            header, arrays = self._results.pop(step_id, ({}, []))
+            timings = self._acked.pop(step_id)
         it = iter(arrays)
         tokens = next(it) if header.get("tokens") else None
         logits = next(it) if header.get("logits") else None
@@ -467,6 +488,13 @@ class MultiProcessExecutor:
         """Programs compiled in every stage process since it started: each stage counts its own and
         reports it with every message (so this never waits; it is current as of the last collect)."""
         return sum(ln.compilations for ln in self.links)
+
+    def add_failure_listener(self, callback: FailureListener) -> None:
+        """`callback(error)` once, from a reader thread, when a stage fails: the server turns
+        NOT_SERVING even while the engine idles (no step would otherwise see the failure)."""
+        self._failure_listeners.append(callback)
+        if self._failure is not None:
+            callback(self._failure)
 
     def close(self) -> None:
         """Stop every stage process, the last first: stage 0's process hosts jax's coordination service,
@@ -505,13 +533,6 @@ class MultiProcessExecutor:
     @property
     def failure(self) -> ExecutorError | None:
         return self._failure
-
-    def add_failure_listener(self, callback: Any) -> None:
-        """`callback(error)` once, from a reader thread, when a stage fails: the server turns
-        NOT_SERVING even while the engine idles (no step would otherwise see the failure)."""
-        self._failure_listeners.append(callback)
-        if self._failure is not None:
-            callback(self._failure)
 
     def stage_pids(self) -> list[int | None]:
         return [ln.pid for ln in self.links]

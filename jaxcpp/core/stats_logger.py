@@ -12,10 +12,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from jaxcpp.outputs import EngineStats
-from jaxcpp.scheduler import SchedulerOutput
+from jaxcpp.core.outputs import EngineStats
+from jaxcpp.core.scheduler import SchedulerOutput
 
-log = logging.getLogger("jaxcpp.engine")
+log = logging.getLogger("jaxcpp.core.engine")
 
 
 class StatsLogger:

@@ -4,14 +4,14 @@ Page 0 is never handed out: padding tokens of a step write their K/V there, so a
 never clobber a live sequence. Every other page is in exactly one of three states:
 
     in use    reference count > 0: held by that many sequences (more than one: a shared prefix)
-    cached    count 0 but its K/V is registered under a page hash (`jaxcpp.prefix_cache`): a later
+    cached    count 0 but its K/V is registered under a page hash (`jaxcpp.core.prefix_cache`): a later
               request with the same prefix can take it back (`lookup` + `acquire`)
     free      count 0 and nothing worth keeping
 
 A page whose last holder frees it becomes cached if it is registered, free otherwise. `allocate`
 takes free pages first and only then evicts cached ones, least recently used first; an evicted page
 loses its hash. `register` names a full page's content once the step that writes it has been
-submitted (the scheduler's rule, see `jaxcpp.scheduler`). Page ids are the same on every pipeline
+submitted (the scheduler's rule, see `jaxcpp.core.scheduler`). Page ids are the same on every pipeline
 stage, so this one allocator serves every layout. With prefix caching off nothing is ever registered
 and the allocator is a plain free list.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from jaxcpp.prefix_cache import PageHash
+from jaxcpp.core.prefix_cache import PageHash
 
 RESERVED_PAGE = 0
 

@@ -1,7 +1,7 @@
 """A scheduled step (`SchedulerOutput`) -> padded host arrays: one bucket-shaped batch, one transfer (no jax).
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
-token bucket T (a decode-only step: possibly a decode rung below the others, `jaxcpp.buckets`) and the
+token bucket T (a decode-only step: possibly a decode rung below the others, `jaxcpp.core.buckets`) and the
 sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
 the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
 padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
@@ -22,13 +22,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxcpp.buckets import seq_bucket, step_bucket
-from jaxcpp.page_allocator import RESERVED_PAGE
+from jaxcpp.core.buckets import seq_bucket, step_bucket
+from jaxcpp.core.page_allocator import RESERVED_PAGE
+from jaxcpp.core.sequence import Sequence
 from jaxcpp.sampling_params import MAX_BANNED_IDS
-from jaxcpp.sequence import Sequence
 
 
-# ---- what the scheduler decided for one step (plain data; `jaxcpp.scheduler` makes it) -------------
+# ---- what the scheduler decided for one step (plain data; `jaxcpp.core.scheduler` makes it) -------------
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
@@ -101,7 +101,7 @@ class StepInput:
     top_k: np.ndarray           # [S] int32
     top_p: np.ndarray           # [S] float32
     seeds: np.ndarray           # [S] uint32
-    steps: np.ndarray           # [S] int32: tokens the request has generated so far
+    num_generated: np.ndarray   # [S] int32: tokens the request has generated so far
     feedback_rows: np.ndarray   # [T] int32: -1, or the row of the fed-back step's tokens to read this
                                 # token from (a decode whose input the host does not have yet)
     min_p: np.ndarray           # [S] float32
@@ -174,7 +174,7 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
     step.top_k[:n] = [p.top_k for p in params]
     step.top_p[:n] = [p.top_p for p in params]
     step.seeds[:n] = [c.seq.seed & 0xFFFFFFFF for c in chunks]
-    step.steps[:n] = [len(c.seq.output_token_ids) + (c.feedback_row >= 0) for c in chunks]  # + the pending one
+    step.num_generated[:n] = [len(c.seq.output_token_ids) + (c.feedback_row >= 0) for c in chunks]  # + the pending one
     row = np.repeat(np.arange(n), lens)
     pos = np.repeat(starts - offsets[:-1], lens) + np.arange(total, dtype=np.int32)
     ps = shape.page_size
@@ -201,7 +201,7 @@ def _write_extras(step: StepInput, sched: SchedulerOutput, offsets: np.ndarray) 
         if c.samples:
             step.history_slot[i] = seq.history_slot
             step.wants_logprobs[i] = seq.params.logprobs is not None
-            if int(step.steps[i]) < seq.params.min_tokens:
+            if int(step.num_generated[i]) < seq.params.min_tokens:
                 step.banned_ids[i, :len(seq.banned_ids)] = seq.banned_ids
         if c.history_start >= 0:
             if c.history_start == 0:
@@ -222,7 +222,7 @@ def _padding(num_tokens: int, num_seqs: int, pages_per_seq: int) -> StepInput:
         num_seqs=np.zeros((), np.int32), num_decodes=np.zeros((), np.int32),
         logits_indices=np.zeros(num_seqs, np.int32), temperature=np.zeros(num_seqs, np.float32),
         top_k=np.zeros(num_seqs, np.int32), top_p=np.ones(num_seqs, np.float32),
-        seeds=np.zeros(num_seqs, np.uint32), steps=np.zeros(num_seqs, np.int32),
+        seeds=np.zeros(num_seqs, np.uint32), num_generated=np.zeros(num_seqs, np.int32),
         feedback_rows=np.full(num_tokens, -1, np.int32), min_p=np.zeros(num_seqs, np.float32),
         presence_penalty=np.zeros(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
         repetition_penalty=np.ones(num_seqs, np.float32), history_slot=np.full(num_seqs, -1, np.int32),

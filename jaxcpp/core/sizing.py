@@ -3,26 +3,36 @@
     sizing = EngineSizing.plan(config, spec)   # max model length, pages, buckets, the layer split
     sizing.shape                               # the StepShape every step is padded to
 
-The head computes this before any executor exists; the executor is built from the same object, so the
-engine and every stage agree on page counts and buckets by construction. No jax here.
+The head computes this once it knows the backend (`--dtype auto` depends on it) and hands the same
+object to its executor; a multi-process head sends it to every stage (`to_message` / `from_message`),
+so the engine and every stage agree on dtype, page counts and buckets by construction. No jax here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from jaxcpp.buckets import decode_buckets, token_buckets
 from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.core.buckets import decode_buckets, token_buckets
+from jaxcpp.core.step_input import StepShape
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.spec import ModelSpec
-from jaxcpp.step_input import StepShape
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_on_backend(requested: str, backend: str) -> str:
+    """`--dtype auto` means the checkpoint's, except on the CPU backend: float32 there, since bfloat16
+    matmuls on CPU are emulated and run several times slower. An explicit dtype is always honoured.
+    The caller names the backend: the head of a multi-process pipeline asks its stages."""
+    return "float32" if requested == "auto" and backend == "cpu" else requested
 
 
 def stage_layers(num_layers: int, pp: int, partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
@@ -69,6 +79,19 @@ class EngineSizing:
     def eos_token_ids(self) -> tuple[int, ...]:
         """config.json's, and generation_config.json's (a chat model's end-of-turn ids are often only there)."""
         return tuple(dict.fromkeys((*self.spec.config.eos_token_ids, *generation_eos_token_ids(self.spec.folder))))
+
+    def to_message(self) -> dict[str, Any]:
+        """What a stage process needs to size itself as the head did (JSON): every field, the spec as
+        the dtype it resolved to (the stage reads the same model folder)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec"}
+        return {**fields, "layers": [list(layer) for layer in self.layers], "dtype": self.spec.config.dtype}
+
+    @staticmethod
+    def from_message(message: dict[str, Any], spec: ModelSpec) -> EngineSizing:
+        """The head's sizing, in a stage: `spec` is the model folder's, read with the head's dtype."""
+        fields = {k: v for k, v in message.items() if k != "dtype"}
+        fields["layers"] = [tuple(layer) for layer in fields["layers"]]
+        return EngineSizing(spec.with_dtype(message["dtype"]), **fields)
 
     @staticmethod
     def plan(config: EngineConfig, spec: ModelSpec) -> EngineSizing:

@@ -14,6 +14,7 @@ batch when stage s-1 finished it and stage s finished the previous one): the tim
 what a real pipeline would measure under that model. `step_delay_s` really sleeps in `collect`, for
 tests of a server under a slow engine. A step submitted with `feedback_from` reads its placeholder
 decodes' input tokens from that step's tokens and starts once that step has left the last stage.
+It never fails on its own (`add_failure_listener` keeps nothing).
 Shapes count as programs: a step whose shape was not warmed up counts as a compilation, so the
 compile guard means the same here as on a device.
 """
@@ -28,9 +29,9 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.executor import HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.sampling_params import MAX_LOGPROBS
-from jaxcpp.step_input import StepInput, StepShape
 
 # (last token id, its position, tokens the sequence generated so far) -> the next token
 NextToken = Callable[[int, int, int], int]
@@ -54,7 +55,7 @@ def fake_tokens(step: StepInput, next_token: NextToken = printable_next_token, e
     tokens = np.zeros(step.kv_lens.shape, np.int32)
     for i in range(int(step.num_seqs)):
         row = int(step.logits_indices[i])
-        generated = int(step.steps[i])
+        generated = int(step.num_generated[i])
         if eos_after is not None and generated + 1 == eos_after:
             assert eos_token_id is not None, "eos_after needs eos_token_id"
             tokens[i] = eos_token_id
@@ -92,8 +93,7 @@ class FakeExecutor:
         self.vocab_size = vocab_size        # the width of the one-hot logits it returns when asked
         self.steps: list[StepInput] = []    # every step submitted after warm-up, for tests to inspect
         self.host_phases: deque[HostPhase] = deque(maxlen=100_000)  # what the engine reported of its time
-        self._pending: deque[tuple[int, StepResult, float, np.ndarray]] = deque()  # + done, tokens
-        self._next_ticket = 0
+        self._in_flight: dict[int, tuple[StepResult, float, np.ndarray]] = {}  # step id -> (result, done, tokens)
         self._stage_free = [0.0] * num_stages   # the virtual clock: when each stage is next idle
         self.clock = 0.0                        # when the last collected micro-batch left the last stage
         self._programs: set[tuple[int, int]] = set()
@@ -118,41 +118,28 @@ class FakeExecutor:
         self._warm = True
         return 0.0
 
-    def submit(self, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
+    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> int:
+               want_prompt_logprobs: bool = False) -> None:
         shape = (step.num_tokens_padded, int(step.kv_lens.shape[0]))
         if shape not in self._programs:
             self._programs.add(shape)
             self._compilations += 1
         if self._warm:
             self.steps.append(step)
-        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-        source = self._source(feedback_from)
-        tokens = self._tokens(with_fed_back_tokens(step, source[3]) if source else step)
+        source = self._in_flight[feedback_from] if feedback_from is not None else None
+        tokens = self._tokens(with_fed_back_tokens(step, source[2]) if source else step)
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
         logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
-        timings = self._run_stages(ticket, step, source[2] if source else 0.0)
+        timings = self._run_stages(step_id, step, source[1] if source else 0.0)
         logprobs = self.one_hot_logprobs(tokens, tokens, width) if want_logprobs else None
         prompt = self.one_hot_logprobs(next_tokens(step, self.next_token), step.prompt_targets, width) \
             if want_prompt_logprobs else None
-        self._pending.append((ticket, StepResult(tokens if want_tokens else None, logits, timings if ack else (),
-                                                 logprobs, prompt), timings[-1].done, tokens))
-        return ticket
+        result = StepResult(tokens if want_tokens else None, logits, timings if ack else (), logprobs, prompt)
+        self._in_flight[step_id] = (result, timings[-1].done, tokens)
 
-    def _source(self, feedback_from: int | None) -> tuple[int, StepResult, float, np.ndarray] | None:
-        if feedback_from is None:
-            return None
-        source = next((p for p in self._pending if p[0] == feedback_from), None)
-        if source is None:
-            raise ValueError(f"feedback_from={feedback_from} is not in flight")
-        return source
-
-    def collect(self, ticket: int) -> StepResult:
-        head, result, done, _ = self._pending[0]
-        if head != ticket:
-            raise ValueError(f"tickets are collected in FIFO order: expected {head}, got {ticket}")
-        self._pending.popleft()
+    def collect(self, step_id: int) -> StepResult:
+        result, done, _ = self._in_flight.pop(step_id)
         self.clock = max(self.clock, done)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -166,6 +153,9 @@ class FakeExecutor:
 
     def record_host_phases(self, phases: list[HostPhase]) -> None:
         self.host_phases.extend(phases)
+
+    def add_failure_listener(self, callback: FailureListener) -> None:
+        pass  # it fails only inside submit or collect
 
     def close(self) -> None:
         pass
@@ -191,13 +181,13 @@ class FakeExecutor:
         """The latency model's time for one stage of this micro-batch (0 without a model)."""
         return 0.0 if self.latency is None else modelled_seconds(self.latency, step)
 
-    def _run_stages(self, ticket: int, step: StepInput, fed_back_done: float) -> tuple[StageTiming, ...]:
+    def _run_stages(self, step_id: int, step: StepInput, fed_back_done: float) -> tuple[StageTiming, ...]:
         """`fed_back_done`: a step that takes tokens from another starts once that one left the pipe."""
         seconds = self.step_seconds(step)
         timings, ready = [], max(self._stage_free[0], self.clock, fed_back_done)
         for s in range(self.num_stages):
             start = max(ready, self._stage_free[s])
             done = start + seconds
-            timings.append(StageTiming(ticket, s, step.num_tokens_padded, self._warm, ready, ready, start, done))
+            timings.append(StageTiming(step_id, s, step.num_tokens_padded, self._warm, ready, ready, start, done))
             self._stage_free[s] = ready = done
         return tuple(timings)

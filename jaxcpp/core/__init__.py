@@ -1,0 +1,1 @@
+"""The host core: requests, pages, the scheduler, the engine loop and the executor contract (no jax)."""

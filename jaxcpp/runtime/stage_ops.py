@@ -1,0 +1,91 @@
+"""A stage's own work, whichever executor drives it: build it from its layers, compile its programs for
+every bucket, time its attention-free forward. The in-process pipeline (`factory`, `pipeline`: P stages
+in one process) and a stage process (`stage_process`: one stage) both call these.
+
+    stage = build_stage(index, num_stages, mesh, config, sizing)   # its layers only; or the stand-in
+    compile_buckets([stage, ...], shape, report)                   # COMPILE_THREADS buckets at a time
+    seconds, out = time_attention_free(stage, batch, hidden, first_use)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxcpp.config import EngineConfig
+from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.step_input import StepShape
+from jaxcpp.kernels.backend import select_attention
+from jaxcpp.models.checkpoint import load_stage_params
+from jaxcpp.runtime.stage import Stage, StageInput
+
+# Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
+COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
+
+
+def compilation_cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
+    """Where the persistent XLA cache lives: `JAXCPP_COMPILATION_CACHE_DIR` (empty: no cache), else
+    `$XDG_CACHE_HOME/jaxcpp/xla`, else `~/.cache/jaxcpp/xla` (the XDG default)."""
+    if "JAXCPP_COMPILATION_CACHE_DIR" in env:
+        return env["JAXCPP_COMPILATION_CACHE_DIR"] or None
+    cache_home = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "jaxcpp", "xla")
+
+
+def enable_compilation_cache() -> None:
+    """A persistent XLA cache makes restarts (and repeated test engines) skip compiles."""
+    path = compilation_cache_dir()
+    if path and not jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, sizing: EngineSizing) -> Any:
+    """Stage `index` on `mesh`, from its own layers only (the host holds this stage's params alone), sized
+    as the head planned; the timed stand-in (`stand_in.StandInStage`) when the config asks for one."""
+    layers = sizing.layers[index]
+    stand_in = config.parallel.stand_in_model()
+    if stand_in is not None:
+        from jaxcpp.runtime.stand_in import StandInStage
+
+        return StandInStage(index, num_stages, mesh, layers, stand_in, config.parallel.stand_in_jitter,
+                            sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
+    enable_compilation_cache()
+    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
+    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
+                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs, sizing.token_buckets[-1])
+
+
+def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[int, int, float], None]) -> None:
+    """Every stage's program for every bucket, `COMPILE_THREADS` buckets at a time; `report(i, num_tokens,
+    seconds)` as the i-th bucket (from 1) is compiled on every stage."""
+    buckets = shape.buckets
+
+    def compile_bucket(num_tokens: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        for stage in stages:
+            stage.compile(shape, num_tokens)
+        return num_tokens, time.perf_counter() - start
+
+    with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
+        for i, (num_tokens, seconds) in enumerate(pool.map(compile_bucket, buckets), 1):
+            report(i, num_tokens, seconds)
+
+
+def time_attention_free(stage: Any, batch: StageInput, hidden: Any, first_use: bool) -> tuple[float, Any]:
+    """Seconds of `stage`'s attention-free forward (the calibration sweep's), timed around the model call
+    only: its inputs and KV pages (so every micro-batch in flight) ready before the clock starts; and
+    its output. `first_use`: the bucket's program is compiled and run once, untimed, first."""
+    if first_use:
+        jax.block_until_ready(stage.run_attention_free(batch, hidden))
+    jax.block_until_ready((batch.packed, hidden, stage.kv))
+    start = time.perf_counter()
+    out = jax.block_until_ready(stage.run_attention_free(batch, hidden))
+    return time.perf_counter() - start, out
