@@ -73,7 +73,7 @@ class LLM:
                 if needs_abort(out, delta):  # a stop string: the engine's abort output is ignored
                     self.engine.abort_request(out.request_id, "stop")
                 if delta is not None and delta.finished:
-                    finished[out.request_id] = _final(out, request.samples[out.request_id])
+                    finished[out.request_id] = _final(out, request.samples[out.request_id], request.prompt_output)
         return [_grouped([finished[rid] for rid, _ in r.engine_requests]) for r in requests]
 
     @staticmethod
@@ -97,12 +97,13 @@ class LLM:
         return list(sampling_params)
 
 
-def _final(out: RequestOutput, sample: SampleStream) -> RequestOutput:
+def _final(out: RequestOutput, sample: SampleStream, first: RequestOutput | None) -> RequestOutput:
     """The engine's last output of a sample, with the edge's text, tokens and finish (a stop string
-    ends a sample before the engine does)."""
+    ends a sample before the engine does) and the prompt log-probabilities of the request's first output."""
     return dataclasses.replace(out, token_ids=list(sample.token_ids), finished=True, text=sample.text,
                                finish_reason=sample.finish_reason,
-                               logprobs=list(sample.logprobs) if out.logprobs is not None else None)
+                               logprobs=list(sample.logprobs) if out.logprobs is not None else None,
+                               prompt_logprobs=(first or out).prompt_logprobs)
 
 
 def _grouped(samples: list[RequestOutput]) -> RequestOutput:

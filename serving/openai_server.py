@@ -395,7 +395,7 @@ class _Call:
         prompt_text = self._tokenizer.decode(out.prompt_token_ids) if self._tokenizer is not None else ""
         if entries is not None:
             first = TokenLogprobs(out.prompt_token_ids[0], float("nan"))  # the first token has none: None
-            entries = [first, *(out.prompt_logprobs or []), *entries]
+            entries = [first, *((state.prompt_output or out).prompt_logprobs or []), *entries]
         return prompt_text + text, entries
 
     # -- one body

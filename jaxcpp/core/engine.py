@@ -244,14 +244,16 @@ class LLMEngine:
             log.error("a step in flight with the failed one failed too: %s", e)
 
     def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
-        """What this step added to `seq` (and, once it finished, all its tokens)."""
+        """What this step added to `seq` (and, once it finished, all its tokens). Prompt log-probabilities,
+        all scored by the time the first token is, ride on the first output and the finished one."""
         p, generated = seq.params, seq.output_token_ids
         new_logprobs = seq.logprobs[len(seq.logprobs) - len(new_token_ids):] if p.logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(generated) if seq.is_finished else [],
                              new_token_ids, seq.is_finished, seq.finish_reason, seq.metrics,
                              logits=seq.logits or None, num_cached_tokens=seq.num_cached_tokens,
                              logprobs=new_logprobs,
-                             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None else None,
+                             prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None
+                             and (seq.is_finished or len(new_token_ids) == len(generated)) else None,
                              num_generated=len(generated))
 
     def add_failure_listener(self, callback: FailureListener) -> None:

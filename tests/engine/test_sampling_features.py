@@ -129,3 +129,23 @@ def test_history_slots_are_given_and_taken_back() -> None:
         assert int(first.clear_slot[0]) >= 0 and int(first.clear_slot[0]) != int(first.clear_slot[1])
         assert np.count_nonzero(first.prompt_slot >= 0) == int(first.cu_q_lens[2])  # both chunks' prompt tokens
         assert len(llm.engine.scheduler.free_history_slots) == FLAGS["max_num_seqs"]
+
+
+def test_prompt_logprobs_ride_on_the_first_and_the_finished_output_only() -> None:
+    """Outputs carry what is new: the prompt's log-probabilities (all scored once the first token is)
+    come with the first output and the finished one, not with every output in between; LLM's final
+    output has them even when a stop string ends the sample before the engine does."""
+    with fake_llm() as llm:
+        llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=5, prompt_logprobs=1, ignore_eos=True))
+        outputs = []
+        while llm.engine.has_unfinished_requests():
+            outputs += [o for o in llm.engine.step() if o.request_id == "r"]
+        assert len(outputs) == 5 and outputs[-1].finished
+        carried = [o.prompt_logprobs is not None for o in outputs]
+        assert carried == [True, False, False, False, True]
+        assert [e.token_id for e in outputs[0].prompt_logprobs or []] == PROMPT[1:]
+        assert outputs[0].prompt_logprobs == outputs[-1].prompt_logprobs
+        stop = llm.engine.tokenizer.decode(outputs[-1].token_ids[1:3])
+        params = SamplingParams(max_tokens=5, prompt_logprobs=1, ignore_eos=True, stop=(stop,))
+        out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0]
+    assert out.finish_reason == "stop" and [e.token_id for e in out.prompt_logprobs or []] == PROMPT[1:]
