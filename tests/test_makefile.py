@@ -99,7 +99,11 @@ def _import_from_the_folder_holding_a_clone(tmp_path: Path, pythonpath: str) -> 
     parent.mkdir(exist_ok=True)
     (parent / "jaxcpp").unlink(missing_ok=True)
     (parent / "jaxcpp").symlink_to(REPO, target_is_directory=True)  # the clone, under its default name
-    code = "from jaxcpp import LLM, SamplingParams; import jaxcpp.models.llama, jaxcpp.serving.client; print('ok')"
+    # The interpreter running the tests has its own venv's path entry (make setup made it): drop it, so
+    # that only the entry under test (`pythonpath`) can make the import work.
+    code = ("import os, sys; keep = os.environ.get('PYTHONPATH', ''); "
+            "sys.path[:] = [p for p in sys.path if p == keep or not p.endswith('jaxcpp-path')]; "
+            "from jaxcpp import LLM, SamplingParams; import jaxcpp.models.llama, jaxcpp.serving.client; print('ok')")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-c", code], cwd=parent, capture_output=True, text=True, timeout=120,
                           env={**env, "PYTHONPATH": pythonpath} if pythonpath else env)
