@@ -11,16 +11,19 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import jax
+import numpy as np
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.executor import Executor
 from jaxcpp.kernels.backend import select_attention
-from jaxcpp.models.checkpoint import load_stage_params
+from jaxcpp.kernels.metadata import AttentionFn
+from jaxcpp.models.checkpoint import load_kv_scales, load_stage_params
 from jaxcpp.runtime.mesh import make_mesh, stage_mesh
 from jaxcpp.runtime.pipeline import PipelineExecutor
-from jaxcpp.runtime.stage import Stage
+from jaxcpp.runtime.stage import KVCacheSettings, Stage
 from jaxcpp.sizing import EngineSizing
 
 log = logging.getLogger(__name__)
@@ -72,14 +75,45 @@ def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> Pipelin
     num_stages = p.pipeline_parallel_size
     mesh = make_mesh(num_stages, p.tensor_parallel_size)
     model = sizing.spec.config
-    start, stages = time.perf_counter(), []
-    for s, layers in enumerate(sizing.layers):
-        is_first, is_last = s == 0, s == num_stages - 1
-        params = load_stage_params(sizing.spec, layers, is_first, is_last)  # host memory: this stage only
-        stages.append(Stage(s, num_stages, stage_mesh(mesh, s), model, params, layers,
-                            sizing.num_pages, sizing.page_size, attention_fn, sizing.shape.max_num_seqs,
-                            sizing.token_buckets[-1]))
-    log.info("weights loaded: %s (%s, %d layers, %s) on %d stage(s), layers per stage %s, in %.1fs",
-             sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype, num_stages,
+    start = time.perf_counter()
+    stages = [load_stage(s, num_stages, config, sizing, stage_mesh(mesh, s), attention_fn)
+              for s in range(num_stages)]
+    log.info("weights loaded: %s (%s, %d layers, %s%s) on %d stage(s), layers per stage %s, in %.1fs",
+             sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype,
+             ", fp8 decoder weights" if config.model.quantization else "", num_stages,
              [end - begin for begin, end in sizing.layers], time.perf_counter() - start)
     return PipelineExecutor(stages, p.trace_file)
+
+
+def load_stage(index: int, num_stages: int, config: EngineConfig, sizing: EngineSizing, mesh: Any,
+               attention_fn: AttentionFn) -> Stage:
+    """Stage `index` with its own layers (host memory: this stage only) and its KV pages, as sized; the
+    in-process executor and every stage process build their stage here, so the cache dtype and scales
+    agree. Logs the stage's weight and KV-cache memory."""
+    layers = sizing.layers[index]
+    is_first, is_last = index == 0, index == num_stages - 1
+    params = load_stage_params(sizing.spec, layers, is_first, is_last, config.model.quantization)
+    stage = Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
+                  attention_fn, sizing.shape.max_num_seqs, sizing.token_buckets[-1],
+                  kv_cache_settings(config, sizing, layers))
+    weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
+    kv_bytes = stage.kv.k.nbytes + stage.kv.v.nbytes
+    log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s)", index,
+             weight_bytes / 2**20, _weight_dtypes(params), kv_bytes / 2**20, sizing.num_pages, sizing.kv_cache_dtype)
+    return stage
+
+
+def kv_cache_settings(config: EngineConfig, sizing: EngineSizing, layers: tuple[int, int]) -> KVCacheSettings:
+    """The pages' dtype, and for fp8 pages the checkpoint's k_scale/v_scale (else 1.0) or, with
+    --calculate-kv-scales, scales to be set by the first prefill."""
+    if not config.cache.is_fp8:
+        return KVCacheSettings(sizing.kv_cache_dtype)
+    if config.cache.calculate_kv_scales:
+        return KVCacheSettings(sizing.kv_cache_dtype, calculate_scales=True)
+    scales = load_kv_scales(sizing.spec, layers)
+    return KVCacheSettings(sizing.kv_cache_dtype, *(scales or (None, None)))
+
+
+def _weight_dtypes(params: Any) -> str:
+    """"float32" or e.g. "float8_e4m3fn + float32": the dtypes the stage's weights are held in."""
+    return " + ".join(sorted({np.asarray(x).dtype.name for x in jax.tree_util.tree_leaves(params)}, reverse=True))

@@ -404,15 +404,10 @@ def _build_stage(index: int, num_stages: int, config_dict: dict[str, Any]) -> An
 
 def _load_stage(index: int, num_stages: int, config: Any, sizing: Any, mesh: Any) -> Any:
     from jaxcpp.kernels.backend import select_attention
-    from jaxcpp.models.checkpoint import load_stage_params
-    from jaxcpp.runtime.factory import enable_compilation_cache
-    from jaxcpp.runtime.stage import Stage
+    from jaxcpp.runtime.factory import enable_compilation_cache, load_stage
 
-    enable_compilation_cache()
-    layers = sizing.layers[index]
-    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
-    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs, sizing.token_buckets[-1])
+    enable_compilation_cache()  # load_stage: the same weights, cache dtype and KV scales as in-process
+    return load_stage(index, num_stages, config, sizing, mesh, select_attention(config.model.attention_backend))
 
 
 def main(argv: list[str] | None = None) -> int:
