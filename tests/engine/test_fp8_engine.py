@@ -31,8 +31,9 @@ def plan(**kwargs) -> EngineSizing:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_fp8_pages_are_twice_the_bfloat16_pages(kv_cache_dtype):
-    bf16 = plan(kv_cache_memory_gb=0.001)
-    fp8 = plan(kv_cache_memory_gb=0.001, kv_cache_dtype=kv_cache_dtype)
+    one_mib = 2**20 / 2**30
+    bf16 = plan(kv_cache_memory_gb=one_mib, max_model_len=256)
+    fp8 = plan(kv_cache_memory_gb=one_mib, max_model_len=256, kv_cache_dtype=kv_cache_dtype)
     # tiny: 4 layers x 2 KV heads x 32 dims x 16 tokens x (K, V): 16 KiB per bfloat16 page, 8 KiB in fp8
     assert (bf16.num_pages, fp8.num_pages) == (64, 128)
     assert bf16.kv_cache_dtype == "bfloat16"

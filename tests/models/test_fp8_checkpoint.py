@@ -69,7 +69,7 @@ def test_fp8_checkpoint_loads_as_fp8_and_equals_quantize_at_load(float_folder, t
     assert jax.tree_util.tree_structure(fp8) == jax.tree_util.tree_structure(at_load)
     for a, b in zip(jax.tree_util.tree_leaves(fp8), jax.tree_util.tree_leaves(at_load), strict=True):
         assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
 def test_per_tensor_scale_is_repeated_per_channel(float_folder, tmp_path):

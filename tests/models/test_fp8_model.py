@@ -89,7 +89,8 @@ def test_calculated_scales_come_from_the_first_prefill(params):
     |K| (|V|) over the real tokens / (448 / 2); a later step keeps them."""
     tokens = list(np.random.default_rng(2).integers(0, CONFIG.vocab_size, 13))
     m = md([([6, 7, 8, 9], 0, 13)])
-    run = jax.jit(lambda p, ids, kv, m: llama.forward(p, ids, kv, m, CONFIG, calculate_kv_scales=True))
+    run = jax.jit(lambda p, ids, kv, m: llama.run_layers(p["layers"], llama.embed(p, ids), kv, m, CONFIG,
+                                                         calculate_kv_scales=True))
     zeros = jnp.zeros(2, jnp.float32)
     kv0 = fp8_cache("float8_e4m3fn", zeros, zeros)
     padding_only = build_metadata([], T, PAGE_SIZE, PAGES_PER_SEQ)
@@ -138,7 +139,8 @@ def test_fp8_weights_forward_equals_dequantized_float_weights(params):
     want, _ = paged_step(deq, pad(tokens), cache, m)
     np.testing.assert_allclose(np.asarray(got[:16]), np.asarray(want[:16]), atol=1e-5, rtol=1e-5)
     full, _ = paged_step(params, pad(tokens), cache, m)
-    assert 0 < float(jnp.max(jnp.abs(got[:16] - full[:16]))) < 0.1 * float(jnp.max(jnp.abs(full[:16])))
+    rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(x))))  # noqa: E731
+    assert 0 < rms(got[:16] - full[:16]) < 0.15 * rms(full[:16])  # e4m3 rounds each weight by <= 1/16
 
 
 def test_per_channel_quantization_matches_the_reference_cast():
