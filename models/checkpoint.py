@@ -368,6 +368,9 @@ def load_kv_scales(spec: ModelSpec, layers: tuple[int, int]) -> tuple[np.ndarray
             if k_full in tensors and v_full in tensors:
                 pair = (float(np.asarray(tensors[k_full].get(k_full), np.float32).reshape(-1)[0]),
                         float(np.asarray(tensors[v_full].get(v_full), np.float32).reshape(-1)[0]))
+                if not (pair[0] > 0 and pair[1] > 0 and np.isfinite(pair).all()):
+                    raise ModelLoadError(f"{spec.folder}: {k_full} / {v_full} = {pair}: KV-cache scales must be "
+                                         "finite and > 0")
                 found = True
                 break
         k_scales.append(pair[0])

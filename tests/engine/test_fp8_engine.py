@@ -109,3 +109,18 @@ def test_calculated_scales_and_fp8_weights(make_llm):
     # the next request keeps them
     llm.generate(prompt_token_ids=[prompt_text()[:60]], sampling_params=GREEDY)
     np.testing.assert_array_equal(np.asarray(jax.device_get(stage.kv.k_scale)), scales)
+
+
+@pytest.mark.slow
+def test_prefix_cache_serves_fp8_pages_as_they_are(make_llm):
+    """A request whose prefix is cached reads the 8-bit pages the first request wrote: the greedy tokens of
+    the same request computed from scratch (with the same 64-token chunks, so the same K/V roundings)."""
+    flags = dict(kv_cache_dtype="fp8", max_num_batched_tokens=64, max_model_len=320, num_pages=60)
+    on, off = make_llm(**flags), make_llm(**flags, enable_prefix_caching=False)
+    prefix = prompt_text()[:200]
+    first, second = prefix + [ord("a")] * 5, prefix + [ord("b")] * 9
+    outs = [on.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in (first, second)]
+    assert [o.num_cached_tokens for o in outs] == [0, 192]
+    want = off.generate(prompt_token_ids=[second], sampling_params=GREEDY)[0]
+    assert outs[1].token_ids == want.token_ids
+    np.testing.assert_allclose(np.stack(outs[1].logits), np.stack(want.logits), atol=1e-3, rtol=0)

@@ -107,3 +107,7 @@ def test_kv_scales_from_the_checkpoint(float_folder, tmp_path):
     np.testing.assert_array_equal(v, [0.25, 1.0, 0.75])
     k, v = checkpoint.load_kv_scales(spec, (2, 3))  # a stage reads its own layers' scales
     np.testing.assert_array_equal(k, [2.5])
+    extra["model.layers.0.self_attn.v_scale"] = np.asarray(0.0, np.float32)
+    spec = resolve_model_spec(write_fp8_copy(float_folder, tmp_path / "kv0", extra=extra))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_scale / .*must be finite and > 0"):
+        checkpoint.load_kv_scales(spec, (0, 3))
