@@ -48,6 +48,7 @@ VARIANTS = {
     "full precision (float32)": {},
     "fp8_e4m3 KV cache": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2 KV cache": {"kv_cache_dtype": "fp8_e5m2"},
+    "fp8_e4m3 KV cache, --calculate-kv-scales": {"kv_cache_dtype": "fp8_e4m3", "calculate_kv_scales": True},
     "fp8 weights": {"quantization": "fp8"},
     "fp8 weights + fp8_e4m3 cache": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
 }
