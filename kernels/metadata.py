@@ -28,5 +28,6 @@ class AttentionMetadata(NamedTuple):
     num_decodes: jax.Array   # [] int32: sequences [0, num_decodes) are decodes with one query token
 
 
-# An attention op: (q [T, H, Dh], k_pages, v_pages [num_pages, page_size, Hkv, Dh], metadata) -> [T, H, Dh].
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+# An attention op: (q [T, H, Dh], k_pages, v_pages [num_pages, page_size, Hkv, Dh], metadata
+# [, kv_scales [2] float32: the K and V scale of fp8 pages, which the op dequantizes on read]) -> [T, H, Dh].
+AttentionFn = Callable[..., jax.Array]

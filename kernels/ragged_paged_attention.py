@@ -10,6 +10,14 @@ pages: simple, the correctness yardstick), the pure-JAX XLA path `ragged_paged_a
 "xla" backend of the engine: the kernel's query-block structure in batched XLA ops, see its section) and
 the op that writes a step's new K/V into the pages (kept separate: the kernel only reads pages).
 
+FP8 pages (`--kv-cache-dtype fp8*`): the write quantizes (`quantize_kv`: x / scale, clipped to the
+format's finite range, rounded to nearest even) and every attention path takes `kv_scales` = [K scale,
+V scale] of the layer and dequantizes on read, inside its loops: a K or V tile is loaded in 8 bits and
+converted to the compute dtype there, the K scale multiplies the scores (folded into the softmax
+scale) and the V scale the output. That is the same math as multiplying every loaded element by its
+scale, with one multiply per score row instead of one per element. Without `kv_scales` pages are read
+as they are (any float dtype).
+
 The kernel. Grid = (query blocks of `block_q` tokens, KV heads). One program owns the
 `block_q * group` query rows of one block and one KV head (rows are token-major: row r is token
 `r // group`, query head `kv_head * group + r % group`, so GQA shares every K/V load across the group).
@@ -43,6 +51,7 @@ from jaxcpp.kernels.metadata import AttentionMetadata
 Array = jax.Array
 
 DEFAULT_KV_BLOCK_TOKENS = 128  # KV positions visited per loop iteration of the reference
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(MASK - m) is 0, never NaN
 
 
@@ -72,16 +81,35 @@ def default_block_sizes(head_dim: int, page_size: int, *, rocm: bool = False) ->
     return sizes._replace(**ROCM_LAUNCH) if rocm else sizes
 
 
+def is_fp8(dtype: Any) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array | float, dtype: Any) -> jax.Array:
+    """x / scale in float32, clipped to `dtype`'s finite range (e4m3fn has no infinity: an overflow
+    would be NaN), then rounded to nearest even by the cast: ml_dtypes' cast of the same float32."""
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
+
+
+def dequantize_kv(x: jax.Array, scale: jax.Array | float) -> jax.Array:
+    return x.astype(jnp.float32) * scale
+
+
 def write_kv_pages(
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     k: jax.Array,  # [T, num_kv_heads, head_dim]
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [T] int32
+    kv_scales: jax.Array | None = None,  # [2] float32: K and V scale of fp8 pages
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter the step's new K/V into their slots (padding tokens land in the never-used page 0)."""
+    """Scatter the step's new K/V into their slots (padding tokens land in the never-used page 0);
+    fp8 pages store K / k_scale and V / v_scale, quantized."""
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     flat_shape = (num_pages * page_size, num_kv_heads, head_dim)
+    if kv_scales is not None:
+        k, v = quantize_kv(k, kv_scales[0], k_pages.dtype), quantize_kv(v, kv_scales[1], v_pages.dtype)
     k_pages = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(k_pages.shape)
     v_pages = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(v_pages.shape)
     return k_pages, v_pages
@@ -145,11 +173,21 @@ def _per_token_attention(qg: Array, k_pages: Array, v_pages: Array, token_pages:
     return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [N, kv_heads, group, head_dim]
 
 
-def _scaled_groups(q: jax.Array, num_kv_heads: int, sm_scale: float | None) -> jax.Array:
-    """q [T, num_heads, head_dim] -> fp32 [T, kv_heads, group, head_dim], times the softmax scale."""
+def _scaled_groups(q: jax.Array, num_kv_heads: int, sm_scale: float | None,
+                   kv_scales: jax.Array | None = None) -> jax.Array:
+    """q [T, num_heads, head_dim] -> fp32 [T, kv_heads, group, head_dim], times the softmax scale (and
+    fp8 pages' K scale: q . (s k) = (s q) . k, so K tiles dequantize with their cast alone)."""
     num_tokens, num_heads, head_dim = q.shape
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    return (q.astype(jnp.float32) * scale).reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    q32 = q.astype(jnp.float32) * scale
+    if kv_scales is not None:
+        q32 = q32 * kv_scales[0]
+    return q32.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+
+
+def _times_v_scale(out: jax.Array, kv_scales: jax.Array | None) -> jax.Array:
+    """fp8 pages: the V scale, applied once to the fp32 output (sum_j p_j (s v_j) = s sum_j p_j v_j)."""
+    return out if kv_scales is None else out * kv_scales[1]
 
 
 def ragged_paged_attention_reference(
@@ -157,6 +195,7 @@ def ragged_paged_attention_reference(
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     md: AttentionMetadata,
+    kv_scales: jax.Array | None = None,  # [2] float32: K and V scale of fp8 pages
     *,
     sm_scale: float | None = None,
     kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS,
@@ -168,10 +207,10 @@ def ragged_paged_attention_reference(
     """
     _, page_size, num_kv_heads, _ = k_pages.shape
     seq, kv_visible = token_layout(md, q.shape[0])
-    out = _per_token_attention(_scaled_groups(q, num_kv_heads, sm_scale), k_pages, v_pages,
+    out = _per_token_attention(_scaled_groups(q, num_kv_heads, sm_scale, kv_scales), k_pages, v_pages,
                                md.page_indices[seq], kv_visible,
                                block_pages=max(1, kv_block_tokens // page_size))
-    return out.reshape(q.shape).astype(q.dtype)
+    return _times_v_scale(out, kv_scales).reshape(q.shape).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- kernel
@@ -183,6 +222,7 @@ def _kernel(
     cu_q_lens_ref: Any,  # [S + 1] int32
     kv_lens_ref: Any,  # [S] int32
     page_indices_ref: Any,  # [S, P'] int32, P' a multiple of pages_per_block
+    kv_scales_ref: Any,  # [2] float32: K and V scale (1, 1 for pages stored as they are)
     q_ref: Any,  # [block_q, group, head_dim]
     k_pages_ref: Any,  # [num_pages, page_size, head_dim] (this program's KV head)
     v_pages_ref: Any,  # [num_pages, page_size, head_dim]
@@ -197,6 +237,10 @@ def _kernel(
     q_block = pl.program_id(0)
     t0 = q_block * block_q
     q = q_ref[...].reshape(rows, head_dim)
+    # fp8 pages dequantize on read: a tile's cast below, and its scale folded into the scores' (K) and
+    # the output's (V) multiplier
+    k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
+    score_scale = sm_scale * k_scale
     row_token = t0 + jnp.arange(rows, dtype=jnp.int32)[:, None] // group  # [rows, 1]
     kv_offsets = jnp.arange(block_kv, dtype=jnp.int32)[None, :]  # [1, block_kv]
 
@@ -216,7 +260,7 @@ def _kernel(
             v = v_pages_ref[pages].reshape(block_kv, head_dim).astype(q.dtype)
             scores = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            ) * sm_scale
+            ) * score_scale
             mask = j * block_kv + kv_offsets < visible  # [rows, block_kv]
             scores = jnp.where(mask, scores, MASK_VALUE)
             m_new = jnp.maximum(m, scores.max(axis=1))
@@ -235,7 +279,7 @@ def _kernel(
         jnp.zeros((rows, head_dim), jnp.float32),
     )
     _, denom, acc = lax.fori_loop(first_seq_ref[q_block], last_seq_ref[q_block] + 1, visit_sequence, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]  # padding rows saw nothing: 0, as in the reference
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None] * v_scale  # padding rows saw nothing: 0
     o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
 
@@ -318,6 +362,7 @@ def ragged_paged_attention(
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     md: AttentionMetadata,
+    kv_scales: jax.Array | None = None,  # [2] float32: K and V scale of fp8 pages
     *,
     sm_scale: float | None = None,
     block_q: int | None = None,  # query tokens per program; default from BLOCK_SIZES
@@ -342,6 +387,7 @@ def ragged_paged_attention(
     qg = jnp.pad(qg, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
     page_indices = _pad_pages(md.page_indices, pages_per_block)
     first_seq, last_seq = _block_seq_ranges(md, num_q_blocks, block_q)
+    scales = jnp.ones(2, jnp.float32) if kv_scales is None else kv_scales.astype(jnp.float32)
 
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))  # noqa: E731
     kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda i, h: (0, 0, h, 0))
@@ -352,7 +398,7 @@ def ragged_paged_attention(
         grid=(num_q_blocks, num_kv_heads),
         in_specs=[
             whole(first_seq.shape), whole(last_seq.shape), whole(md.cu_q_lens.shape),
-            whole(md.kv_lens.shape), whole(page_indices.shape), q_spec, kv_spec, kv_spec,
+            whole(md.kv_lens.shape), whole(page_indices.shape), whole(scales.shape), q_spec, kv_spec, kv_spec,
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
@@ -360,7 +406,7 @@ def ragged_paged_attention(
             num_warps=num_warps or sizes.num_warps, num_stages=num_stages or sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(first_seq, last_seq, md.cu_q_lens, md.kv_lens, page_indices, qg, k_pages, v_pages)
+    )(first_seq, last_seq, md.cu_q_lens, md.kv_lens, page_indices, scales, qg, k_pages, v_pages)
     return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)
 
 
@@ -470,6 +516,7 @@ def ragged_paged_attention_xla(
     k_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     v_pages: jax.Array,  # [num_pages, page_size, num_kv_heads, head_dim]
     md: AttentionMetadata,
+    kv_scales: jax.Array | None = None,  # [2] float32: K and V scale of fp8 pages
     *,
     sm_scale: float | None = None,
     block_q: int = DEFAULT_XLA_BLOCK_Q,
@@ -486,11 +533,11 @@ def ragged_paged_attention_xla(
     block_pages = max(1, kv_block_tokens // page_size)
     block_q = max(1, min(block_q, num_tokens))
 
-    qg = _scaled_groups(q, num_kv_heads, sm_scale)
+    qg = _scaled_groups(q, num_kv_heads, sm_scale, kv_scales)
     # Decodes: the first S tokens, each its own sequence (token i is sequence i); the rest see nothing.
     n = min(md.kv_lens.shape[0], num_tokens)
     kv_visible = jnp.where(jnp.arange(n) < md.num_decodes, md.kv_lens[:n], 0)
     decode = _decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible, block_pages=block_pages)
     prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages)
     out = prefill.at[:n].add(decode)  # disjoint: each part gives the other's tokens 0
-    return out.reshape(q.shape).astype(q.dtype)
+    return _times_v_scale(out, kv_scales).reshape(q.shape).astype(q.dtype)

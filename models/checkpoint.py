@@ -11,6 +11,13 @@ A pipeline stage loads only its own part (`load_stage_params`): its decoder laye
 and the head where it needs them. Safetensors are memory-mapped, so only those tensors are read; an
 orbax folder's arrays are read through tensorstore (the storage orbax writes: OCDBT + zarr) one
 layer range at a time. Peak host memory while loading a P-stage model is about 1/P of it per stage.
+
+FP8 weights. A decoder-layer Linear stored in float8_e4m3 (safetensors F8_E4M3) loads as it is, with
+its `weight_scale` beside it (per tensor: [] or [1]; per output channel: [out] or [out, 1], the layouts
+of compressed-tensors "FP8" / "FP8-dynamic" and fbgemm_fp8 checkpoints), as `kernel` + `kernel_scale`
+([out], a per-tensor scale repeated). `--quantization fp8` makes the same pair from a float checkpoint,
+one scale per output channel. Embedding, norms and LM head stay in the model dtype. fp8 KV-cache scales
+come from the layers' `self_attn.k_scale` / `v_scale` (vLLM's names) where the checkpoint has them.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES: dict[str, Any] = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
+FP8_WEIGHT_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+_FP8_NP = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -269,10 +279,13 @@ def stage_leaves(config: LlamaConfig, is_first: bool, is_last: bool) -> Iterator
             yield path, leaf
 
 
-def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, is_last: bool) -> Params:
-    """Host (numpy) params of one pipeline stage, in `spec.config.dtype`; reads nothing else."""
+def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, is_last: bool,
+                      quantization: str | None = None) -> Params:
+    """Host (numpy) params of one pipeline stage, in `spec.config.dtype` except fp8 decoder-layer
+    kernels (stored so, or `quantization="fp8"`), which come with their `kernel_scale`; reads nothing else."""
     start, end = layers
     config = spec.config
+    read_scales = None
     if spec.format == "orbax":
         read = _orbax_reader(spec.folder / ORBAX_PARAMS_DIR)
     else:
@@ -281,12 +294,88 @@ def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, 
         def read(path: tuple[str, ...], shape: tuple[int, ...], rows: range | None) -> np.ndarray:
             return _read_hf_leaf(tensors, spec.folder, path, shape, rows)
 
+        def read_scales(path: tuple[str, ...], rows: range, out_features: int) -> np.ndarray:
+            return _read_hf_weight_scales(tensors, spec.folder, path, rows, out_features)
+
     target = _NP_DTYPES[config.dtype]
     params: dict[str, Any] = {}
     for path, leaf in stage_leaves(config, is_first, is_last):
         rows = range(start, end) if path[0] == "layers" else None
-        _set(params, path, np.asarray(read(path, leaf.shape, rows)).astype(target, copy=False))
+        value = np.asarray(read(path, leaf.shape, rows))
+        if value.dtype in _FP8_NP:
+            if value.dtype != FP8_WEIGHT_DTYPE or rows is None or path[-1] != "kernel" or read_scales is None:
+                raise ModelLoadError(f"{spec.folder}: {'.'.join(path)} is stored in {value.dtype}; only "
+                                     "decoder-layer Linear weights in float8_e4m3 (F8_E4M3) are supported")
+            _set(params, path, value)
+            _set(params, (*path[:-1], "kernel_scale"), read_scales(path, rows, value.shape[-1]))
+        elif quantization == "fp8" and rows is not None and path[-1] == "kernel":
+            kernel, scale = quantize_fp8_per_channel(value)
+            _set(params, path, kernel)
+            _set(params, (*path[:-1], "kernel_scale"), scale)
+        else:
+            _set(params, path, value.astype(target, copy=False))
     return params
+
+
+FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+
+
+def quantize_fp8_per_channel(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., in, out] float -> (the same shape in float8_e4m3fn, [..., out] float32 scales): each output
+    channel's largest |w| maps to 448; kernel ~= fp8 * scale. A channel of zeros gets scale 1."""
+    w = kernel.astype(np.float32)
+    amax = np.abs(w).max(axis=-2)
+    scale = np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0).astype(np.float32)
+    quantized = np.clip(w / scale[..., None, :], -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_WEIGHT_DTYPE)
+    return quantized, scale
+
+
+def _read_hf_weight_scales(tensors: dict[str, _SafetensorsFile], folder: Path, path: tuple[str, ...],
+                           rows: range, out_features: int) -> np.ndarray:
+    """[len(rows), out] float32: each layer's `<linear>.weight_scale`, per tensor or per output channel."""
+    stacked = []
+    for layer in rows:
+        weight, _ = _hf_names(path, layer)
+        name = weight + "_scale"
+        if name not in tensors:
+            hint = (" (block-wise fp8 with weight_scale_inv is not supported)" if weight + "_scale_inv" in tensors
+                    else "")
+            raise ModelLoadError(f"{folder}: {weight} is fp8 but {name!r} is missing{hint}")
+        scale = np.asarray(tensors[name].get(name), np.float32).reshape(-1)
+        if scale.size not in (1, out_features):
+            raise ModelLoadError(f"{tensors[name].path}: {name!r} has {scale.size} values; per-tensor (1) or "
+                                 f"per-output-channel ({out_features}) scales are supported")
+        stacked.append(np.broadcast_to(scale, (out_features,)))
+    return np.stack(stacked).astype(np.float32)
+
+
+KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),               # vLLM's, compressed-tensors
+                  ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                  ("self_attn.kv_scale", "self_attn.kv_scale"))           # older checkpoints: one for both
+
+
+def load_kv_scales(spec: ModelSpec, layers: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """[stage layers] float32 K and V scales of an fp8 KV cache from the checkpoint (a layer without
+    them: 1.0), or None when it has none (orbax folders never do)."""
+    if spec.format != "hf":
+        return None
+    tensors = _open_shards(spec.folder)
+    k_scales, v_scales, found = [], [], False
+    for layer in range(*layers):
+        pair = (1.0, 1.0)
+        for k_name, v_name in KV_SCALE_NAMES:
+            k_full, v_full = f"model.layers.{layer}.{k_name}", f"model.layers.{layer}.{v_name}"
+            if k_full in tensors and v_full in tensors:
+                pair = (float(np.asarray(tensors[k_full].get(k_full), np.float32).reshape(-1)[0]),
+                        float(np.asarray(tensors[v_full].get(v_full), np.float32).reshape(-1)[0]))
+                if not (pair[0] > 0 and pair[1] > 0 and np.isfinite(pair).all()):
+                    raise ModelLoadError(f"{spec.folder}: {k_full} / {v_full} = {pair}: KV-cache scales must be "
+                                         "finite and > 0")
+                found = True
+                break
+        k_scales.append(pair[0])
+        v_scales.append(pair[1])
+    return (np.asarray(k_scales, np.float32), np.asarray(v_scales, np.float32)) if found else None
 
 
 def _orbax_reader(params_dir: Path) -> Any:

@@ -10,6 +10,11 @@ A pipeline stage is a slice `layers[start:end]`, run by `run_layers` under `jax.
 time does not grow with depth. The decoder layer takes attention as a callable: the paged path writes the
 new K/V into the stage's `KVCache` and calls the ragged paged attention op; `forward_dense` (training,
 tests) uses plain causal attention. The model knows nothing of stages, sharding or scheduling.
+
+8-bit storage: fp8 KV pages keep a K and a V scale per layer in the `KVCache` (writes quantize, the
+attention op dequantizes on read); fp8 decoder weights are a `kernel` in float8_e4m3fn beside its
+`kernel_scale` (one per output channel), turned back into the model dtype one layer at a time inside the
+layer scan (`dequantize_weights`), since neither XLA:CPU nor the attention kernels have an fp8 dot.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
-from jaxcpp.kernels.ragged_paged_attention import ragged_paged_attention_reference, write_kv_pages
+from jaxcpp.kernels.ragged_paged_attention import (
+    is_fp8,
+    ragged_paged_attention_reference,
+    write_kv_pages,
+)
 from jaxcpp.models.config import LlamaConfig
 
 Params = dict[str, Any]
@@ -38,6 +47,13 @@ class KVCache(NamedTuple):
 
     k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
     v: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    # fp8 pages hold K / k_scale and V / v_scale (float pages: 1, unused). 0 means "not yet known": with
+    # --calculate-kv-scales the first step with real tokens sets it (`_calculated_scales`).
+    k_scale: jax.Array  # [num_layers] float32
+    v_scale: jax.Array  # [num_layers] float32
+
+
+KV_SCALE_HEADROOM = 2.0  # calculated scales map the first prefill's largest |K| to half the format's max
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -199,12 +215,50 @@ def num_layers_of(layer_params: Params) -> int:
     return int(jax.tree_util.tree_leaves(layer_params)[0].shape[0])
 
 
+def dequantize_weights(layer_params: Params, dtype: Any) -> Params:
+    """fp8 kernels ({"kernel": [in, out] fp8, "kernel_scale": [out]}) -> plain `dtype` kernels; other
+    leaves as they are. Called on one layer's params inside the scan, so only one layer is ever wide."""
+    if not isinstance(layer_params, dict):
+        return layer_params
+    if "kernel_scale" not in layer_params:
+        return {name: dequantize_weights(sub, dtype) for name, sub in layer_params.items()}
+    out = {name: x for name, x in layer_params.items() if name != "kernel_scale"}
+    scale = layer_params["kernel_scale"].astype(jnp.float32)[..., None, :]  # per output channel
+    out["kernel"] = (layer_params["kernel"].astype(jnp.float32) * scale).astype(dtype)
+    return out
+
+
+def _calculated_scales(kv: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, md: AttentionMetadata
+                       ) -> KVCache:
+    """--calculate-kv-scales: a layer scale still 0 becomes the step's largest |K| (|V|) over its real
+    tokens divided by half the format's max, once the step has a real token; known scales stay."""
+    num_tokens = k.shape[0]
+    real = (jnp.arange(num_tokens) < md.cu_q_lens[md.num_seqs])[:, None, None]  # [T, 1, 1]
+    limit = float(jnp.finfo(kv.k.dtype).max) / KV_SCALE_HEADROOM
+
+    def update(scales: jax.Array, x: jax.Array) -> jax.Array:
+        amax = jnp.max(jnp.where(real, jnp.abs(x.astype(jnp.float32)), 0.0))
+        new = jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / limit
+        known = scales[layer] > 0
+        return scales.at[layer].set(jnp.where(known | ~jnp.any(real), scales[layer], new))
+
+    return kv._replace(k_scale=update(kv.k_scale, k), v_scale=update(kv.v_scale, v))
+
+
+def _layer_scales(kv: KVCache, layer: jax.Array) -> jax.Array:  # [2] float32
+    """The layer's K and V scale; a scale still 0 (no real token seen yet) divides as 1, so a padding
+    write into page 0 stays finite."""
+    scales = jnp.stack([kv.k_scale[layer], kv.v_scale[layer]])
+    return jnp.where(scales > 0, scales, 1.0)
+
+
 def _write_layer_kv(
     kv: KVCache,
     layer: jax.Array,  # [] int32
     k: jax.Array,  # [T, num_kv_heads, head_dim]
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [T] int32, slots within one layer's pages
+    kv_scales: jax.Array | None = None,  # [2] float32: fp8 pages' scales of this layer
 ) -> KVCache:
     """Scatter layer `layer`'s new K/V straight into the stacked cache (viewing [L, N, ...] as [L*N, ...]).
 
@@ -214,8 +268,8 @@ def _write_layer_kv(
     num_layers, num_pages, page_size = kv.k.shape[:3]
     flat = (num_layers * num_pages, *kv.k.shape[2:])
     slots = slot_mapping + layer * (num_pages * page_size)
-    k_all, v_all = write_kv_pages(kv.k.reshape(flat), kv.v.reshape(flat), k, v, slots)
-    return KVCache(k_all.reshape(kv.k.shape), v_all.reshape(kv.v.shape))
+    k_all, v_all = write_kv_pages(kv.k.reshape(flat), kv.v.reshape(flat), k, v, slots, kv_scales)
+    return kv._replace(k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
 
 
 def run_layers(
@@ -225,26 +279,35 @@ def run_layers(
     md: AttentionMetadata,
     config: LlamaConfig,
     attention_fn: AttentionFn = ragged_paged_attention_reference,
+    *,
+    calculate_kv_scales: bool = False,
 ) -> tuple[jax.Array, KVCache]:  # ([T, D], kv with this step's K/V written)
-    """Run stacked decoder layers on a ragged token batch, writing each layer's new K/V in place."""
+    """Run stacked decoder layers on a ragged token batch, writing each layer's new K/V in place.
+    fp8 pages: writes quantize with the layer's scales, which the attention op gets to dequantize;
+    `calculate_kv_scales`: scales still 0 are set from this step's K/V first (`_calculated_scales`)."""
     num_layers = num_layers_of(layer_params)
     if kv.k.shape[0] != num_layers:
         raise ValueError(f"KV cache holds {kv.k.shape[0]} layers but layer_params has {num_layers}")
     layer = DecoderLayer(config)
+    fp8 = is_fp8(kv.k.dtype)
 
     def body(carry: tuple[jax.Array, KVCache], xs: tuple[Params, jax.Array]) -> tuple[Any, None]:
         hidden, kv = carry
         lp, i = xs
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
-            new_kv = _write_layer_kv(kv, i, k, v, md.slot_mapping)
+            scaled_kv = _calculated_scales(kv, i, k, v, md) if fp8 and calculate_kv_scales else kv
+            scales = _layer_scales(scaled_kv, i) if fp8 else None
+            new_kv = _write_layer_kv(scaled_kv, i, k, v, md.slot_mapping, scales)
             # Attend over all layers' pages viewed as one pool, with this layer's page ids offset:
             # a reshape is free, while slicing out layer i would copy its whole page pool every step.
             num_layers, num_pages = kv.k.shape[:2]
             pool = (num_layers * num_pages, *kv.k.shape[2:])
             layer_md = md._replace(page_indices=md.page_indices + i * num_pages)
-            return attention_fn(q, new_kv.k.reshape(pool), new_kv.v.reshape(pool), layer_md), new_kv
+            pages = (q, new_kv.k.reshape(pool), new_kv.v.reshape(pool), layer_md)
+            return attention_fn(*pages, scales) if fp8 else attention_fn(*pages), new_kv
 
+        lp = dequantize_weights(lp, hidden.dtype)
         out: Any = layer.apply({"params": lp}, hidden, md.positions, attend)  # (hidden, kv)
         return out, None
 
@@ -311,10 +374,15 @@ def forward_dense(
 
 
 def make_kv_cache(
-    config: LlamaConfig, num_layers: int, num_pages: int, page_size: int, dtype: Any = jnp.float32
+    config: LlamaConfig, num_layers: int, num_pages: int, page_size: int, dtype: Any = jnp.float32,
+    k_scale: Any = None,  # [num_layers] float32 (default 1; 0: calculate from the first prefill)
+    v_scale: Any = None,  # [num_layers] float32
 ) -> KVCache:
     shape = (num_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    ones = jnp.ones((num_layers,), jnp.float32)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   ones if k_scale is None else jnp.asarray(k_scale, jnp.float32),
+                   ones if v_scale is None else jnp.asarray(v_scale, jnp.float32))
 
 
 def param_count(params: Params) -> int:

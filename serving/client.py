@@ -167,7 +167,8 @@ def _model_info(msg: pb.GetModelInfoResponse) -> ModelInfo:
                      dtype=msg.dtype, page_size=msg.page_size,
                      max_num_batched_tokens=msg.max_num_batched_tokens,
                      pipeline_parallel_size=msg.pipeline_parallel_size,
-                     tensor_parallel_size=msg.tensor_parallel_size, eos_token_ids=tuple(msg.eos_token_ids))
+                     tensor_parallel_size=msg.tensor_parallel_size, eos_token_ids=tuple(msg.eos_token_ids),
+                     kv_cache_dtype=msg.kv_cache_dtype)
 
 
 def _server_stats(msg: pb.GetServerStatsResponse) -> ServerStats:

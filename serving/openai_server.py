@@ -179,7 +179,8 @@ class OpenAIServer:
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "jaxcpp", "root": self._info.name,
-             "max_model_len": self._info.max_model_len} for name in self._names]}
+             "max_model_len": self._info.max_model_len, "kv_cache_dtype": self._info.kv_cache_dtype}
+            for name in self._names]}
 
     async def _tokenizer_info(self) -> dict[str, Any]:
         """What lm-evaluation-harness's remote tokenizer reads (with /tokenize and /detokenize)."""

@@ -211,7 +211,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             max_num_batched_tokens=info.max_num_batched_tokens,
             pipeline_parallel_size=info.pipeline_parallel_size,
             tensor_parallel_size=info.tensor_parallel_size,
-            eos_token_ids=list(info.eos_token_ids), server_version=jaxcpp.__version__)
+            eos_token_ids=list(info.eos_token_ids), server_version=jaxcpp.__version__,
+            kv_cache_dtype=info.kv_cache_dtype)
 
     async def GetServerStats(self, request: pb.GetServerStatsRequest,
                              context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:

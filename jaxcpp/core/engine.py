@@ -83,9 +83,9 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
-                 "padding page)",
+                 "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
-                 self.allocator.num_usable, self.sizing.page_size)
+                 self.allocator.num_usable, self.sizing.page_size, self.sizing.kv_cache_dtype)
 
     def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.chunking.enable_dynamic_chunking:
@@ -281,7 +281,7 @@ class LLMEngine:
         return ModelInfo(self.sizing.spec.name, m.architecture, m.vocab_size, self.sizing.max_model_len,
                          m.num_hidden_layers, m.hidden_size, m.dtype, self.sizing.page_size,
                          c.scheduler.max_num_batched_tokens, c.parallel.pipeline_parallel_size,
-                         c.parallel.tensor_parallel_size, self.sizing.eos_token_ids)
+                         c.parallel.tensor_parallel_size, self.sizing.eos_token_ids, self.sizing.kv_cache_dtype)
 
 
 def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSizing,

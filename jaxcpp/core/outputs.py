@@ -130,3 +130,4 @@ class ModelInfo:
     pipeline_parallel_size: int
     tensor_parallel_size: int
     eos_token_ids: tuple[int, ...]
+    kv_cache_dtype: str = ""  # what the KV pages hold: the model's dtype, float8_e4m3fn or float8_e5m2

@@ -25,7 +25,7 @@ from jaxcpp.core.step_input import StepShape
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.spec import ModelSpec
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def dtype_on_backend(requested: str, backend: str) -> str:
@@ -69,6 +69,7 @@ class EngineSizing:
     max_num_seqs: int
     layers: list[tuple[int, int]]   # [start, end) of each pipeline stage
     decode_buckets: list[int]       # below the token buckets, for decode-only steps
+    kv_cache_dtype: str = "float32"  # what the pages hold: the model's dtype, or float8_e4m3fn / float8_e5m2
 
     @property
     def shape(self) -> StepShape:
@@ -106,22 +107,28 @@ class EngineSizing:
         page_size = config.cache.page_size
         pages_per_seq = -(-max_model_len // page_size)
         largest_stage = max(end - start for start, end in layers)
-        num_pages = _num_pages(config, model, largest_stage, pages_per_seq)
+        kv_cache_dtype = config.cache.resolved_kv_cache_dtype(model.dtype)
+        num_pages = _num_pages(config, model, largest_stage, pages_per_seq, kv_cache_dtype)
         max_num_seqs = config.scheduler.max_num_seqs
         return EngineSizing(spec, max_model_len, page_size, pages_per_seq, num_pages,
                             token_buckets(config.scheduler.max_num_batched_tokens, page_size), max_num_seqs,
-                            layers, decode_buckets(max_num_seqs, page_size))
+                            layers, decode_buckets(max_num_seqs, page_size), kv_cache_dtype)
 
 
-def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: int, pages_per_seq: int) -> int:
+def page_bytes(model: LlamaConfig, num_layers: int, page_size: int, kv_cache_dtype: str) -> int:
+    """Bytes of one page of K and V over `num_layers` layers (the per-layer fp8 scales are negligible)."""
+    return 2 * num_layers * page_size * model.num_key_value_heads * model.head_dim * _ITEMSIZE[kv_cache_dtype]
+
+
+def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: int, pages_per_seq: int,
+               kv_cache_dtype: str) -> int:
     """Every stage holds the same number of pages, so the stage with the most layers sizes them."""
     page_size = config.cache.page_size
     if config.cache.num_pages is not None:
         num_pages = config.cache.num_pages
     else:
-        page_bytes = (2 * largest_stage_layers * page_size * model.num_key_value_heads * model.head_dim
-                      * _ITEMSIZE[model.dtype])
-        budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, page_bytes)
+        one_page = page_bytes(model, largest_stage_layers, page_size, kv_cache_dtype)
+        budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, one_page)
         # More pages than every sequence at full length can use would only waste memory.
         num_pages = min(budget, config.scheduler.max_num_seqs * pages_per_seq + 1)
     if num_pages < pages_per_seq + 1:

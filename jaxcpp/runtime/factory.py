@@ -45,7 +45,9 @@ def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> Pipelin
     start = time.perf_counter()
     stages = [build_stage(s, p.pipeline_parallel_size, stage_mesh(mesh, s), config, sizing)
               for s in range(p.pipeline_parallel_size)]
-    log.info("weights loaded: %s (%s, %d layers, %s) on %d stage(s), layers per stage %s, in %.1fs",
-             sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype, len(stages),
+    log.info("weights loaded: %s (%s, %d layers, %s%s) on %d stage(s), layers per stage %s, in %.1fs",
+             sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype,
+             ", fp8 decoder weights" if config.model.quantization else "", len(stages),
              [end - begin for begin, end in sizing.layers], time.perf_counter() - start)
     return PipelineExecutor(stages, p.trace_file)
+

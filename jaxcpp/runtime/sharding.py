@@ -86,5 +86,14 @@ def shard_attention(attention_fn: llama.AttentionFn, mesh: Mesh, config: LlamaCo
     heads = P(None, "tp", None)            # q, out: [T, H, Dh]
     pages = P(None, None, "tp", None)      # [num_pages, page_size, Hkv, Dh]
     md_specs = AttentionMetadata(*([REPLICATED] * len(AttentionMetadata._fields)))
-    return jax.shard_map(attention_fn, mesh=mesh, in_specs=(heads, pages, pages, md_specs),
-                         out_specs=heads, check_vma=False)
+    plain = jax.shard_map(attention_fn, mesh=mesh, in_specs=(heads, pages, pages, md_specs),
+                          out_specs=heads, check_vma=False)
+    # fp8 pages: the layer's [2] scales go to every device whole
+    scaled = jax.shard_map(attention_fn, mesh=mesh, in_specs=(heads, pages, pages, md_specs, REPLICATED),
+                           out_specs=heads, check_vma=False)
+
+    def sharded(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+                kv_scales: jax.Array | None = None) -> jax.Array:
+        return plain(q, k_pages, v_pages, md) if kv_scales is None else scaled(q, k_pages, v_pages, md, kv_scales)
+
+    return sharded

@@ -48,6 +48,23 @@ from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
 
 
+class KVCacheSettings(NamedTuple):
+    """What a stage's pages hold: the same for every stage, whether built in-process or in its own process."""
+
+    dtype: str                              # "float32", "bfloat16", ..., "float8_e4m3fn", "float8_e5m2"
+    k_scale: np.ndarray | None = None       # [stage layers] float32: fp8 pages' K scales (None: 1.0)
+    v_scale: np.ndarray | None = None       # [stage layers] float32
+    calculate_scales: bool = False          # --calculate-kv-scales: set them from the first prefill
+
+    def layer_scales(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """The initial [num_layers] K and V scales: 0 ("not yet known") when they are to be calculated."""
+        if self.calculate_scales:
+            return np.zeros(num_layers, np.float32), np.zeros(num_layers, np.float32)
+        ones = np.ones(num_layers, np.float32)
+        return (ones if self.k_scale is None else np.asarray(self.k_scale, np.float32),
+                ones if self.v_scale is None else np.asarray(self.v_scale, np.float32))
+
+
 class StageInput(NamedTuple):
     packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
     layout: Layout     # how to cut it apart (static: one per bucket)
@@ -114,7 +131,8 @@ def prompt_logprobs(params: llama.Params, hidden: jax.Array, packed: jax.Array, 
     return PromptLogprobs(lp.reshape(-1), ids.reshape(-1, ids.shape[-1]), top.reshape(-1, top.shape[-1]))
 
 
-def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata) -> jax.Array:
+def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+                   kv_scales: jax.Array | None = None) -> jax.Array:
     """Attention skipped: the attention-free forwards of the calibration sweep time everything else."""
     return q * 0
 
@@ -122,9 +140,10 @@ def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: Att
 class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
                  layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn,
-                 max_num_seqs: int, max_num_tokens: int) -> None:
+                 max_num_seqs: int, max_num_tokens: int, kv_cache: KVCacheSettings | None = None) -> None:
         """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`);
-        `max_num_tokens`: the largest token bucket."""
+        `max_num_tokens`: the largest token bucket; `kv_cache`: the pages' dtype and scales (default:
+        the model's dtype)."""
         self.index = index
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
@@ -136,10 +155,15 @@ class Stage:
         self.params = jax.device_put(params, named(mesh, param_specs(params, config, tp)))
         self.replicated = NamedSharding(mesh, REPLICATED)
         kv_sharding = NamedSharding(mesh, kv_spec(config, tp))
-        self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding)
-        dtype = self.dtype = jax.tree_util.tree_leaves(params)[0].dtype
+        self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding, self.replicated, self.replicated)
+        self.dtype = jnp.dtype(config.dtype)  # fp8 weights keep the model dtype for activations
         num_layers = layers[1] - layers[0]
-        make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, dtype)
+        kv_cache = kv_cache or KVCacheSettings(config.dtype)
+        self.kv_cache_dtype = jnp.dtype(kv_cache.dtype)
+        self._calculate_kv_scales = kv_cache.calculate_scales
+        k_scale, v_scale = kv_cache.layer_scales(num_layers)
+        make = functools.partial(llama.make_kv_cache, config, num_layers, num_pages, page_size, self.kv_cache_dtype,
+                                 k_scale, v_scale)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
@@ -156,14 +180,15 @@ class Stage:
     def devices(self) -> list[Any]:
         return list(self.mesh.devices.flat)
 
-    def _jit(self, attention_fn: AttentionFn) -> Any:
-        fn = functools.partial(self._forward, attention_fn=attention_fn)
+    def _jit(self, attention_fn: AttentionFn, calculate_kv_scales: bool | None = None) -> Any:
+        calculate = self._calculate_kv_scales if calculate_kv_scales is None else calculate_kv_scales
+        fn = functools.partial(self._forward, attention_fn=attention_fn, calculate_kv_scales=calculate)
         return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
                        out_shardings=(self.replicated, self._kv_shardings))
 
     def _forward(self, params: llama.Params, kv: llama.KVCache, hidden: jax.Array | None,
-                 packed: jax.Array, fed_back: jax.Array | None, *, layout: Layout, attention_fn: AttentionFn
-                 ) -> tuple[Any, llama.KVCache]:
+                 packed: jax.Array, fed_back: jax.Array | None, *, layout: Layout, attention_fn: AttentionFn,
+                 calculate_kv_scales: bool) -> tuple[Any, llama.KVCache]:
         batch = unpack(packed, layout)
         if self.is_first:
             assert fed_back is not None
@@ -171,7 +196,7 @@ class Stage:
             token_ids = jnp.where(rows >= 0, fed_back[jnp.maximum(rows, 0)], batch["token_ids"])
             hidden = llama.embed(params, token_ids)  # [T, D]
         hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
-                                      attention_fn)
+                                      attention_fn, calculate_kv_scales=calculate_kv_scales)
         if self.is_last:
             sampling = last_logits(params, hidden, batch, self.config, self.max_num_seqs, self.max_num_tokens)
             return (sampling, hidden), kv
@@ -232,7 +257,8 @@ class Stage:
     def run_attention_free(self, batch: StageInput, hidden: jax.Array | None) -> Any:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
         if self._attention_free_program is None:
-            self._attention_free_program = self._jit(zero_attention)
+            # the calibration sweep's K/V are no prompt's: they must not set calculated fp8 scales
+            self._attention_free_program = self._jit(zero_attention, calculate_kv_scales=False)
         out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
                                                     self._feedback(None), layout=batch.layout)
         return self._output(out, batch)

@@ -9,6 +9,7 @@ in one process) and a stage process (`stage_process`: one stage) both call these
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -16,14 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.step_input import StepShape
 from jaxcpp.kernels.backend import select_attention
-from jaxcpp.models.checkpoint import load_stage_params
-from jaxcpp.runtime.stage import Stage, StageInput
+from jaxcpp.models.checkpoint import load_kv_scales, load_stage_params
+from jaxcpp.runtime.stage import KVCacheSettings, Stage, StageInput
+
+log = logging.getLogger(__name__)
 
 # Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
 COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
@@ -58,9 +62,31 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
         return StandInStage(index, num_stages, mesh, layers, stand_in, config.parallel.stand_in_jitter,
                             sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
     enable_compilation_cache()
-    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1)
-    return Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                 select_attention(config.model.attention_backend), sizing.shape.max_num_seqs, sizing.token_buckets[-1])
+    params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1, config.model.quantization)
+    stage = Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
+                  select_attention(config.model.attention_backend), sizing.shape.max_num_seqs,
+                  sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers))
+    weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
+    kv_bytes = stage.kv.k.nbytes + stage.kv.v.nbytes
+    log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s)", index,
+             weight_bytes / 2**20, _weight_dtypes(params), kv_bytes / 2**20, sizing.num_pages, sizing.kv_cache_dtype)
+    return stage
+
+
+def kv_cache_settings(config: EngineConfig, sizing: EngineSizing, layers: tuple[int, int]) -> KVCacheSettings:
+    """The pages' dtype, and for fp8 pages the checkpoint's k_scale/v_scale (else 1.0) or, with
+    --calculate-kv-scales, scales to be set by the first prefill."""
+    if not config.cache.is_fp8:
+        return KVCacheSettings(sizing.kv_cache_dtype)
+    if config.cache.calculate_kv_scales:
+        return KVCacheSettings(sizing.kv_cache_dtype, calculate_scales=True)
+    scales = load_kv_scales(sizing.spec, layers)
+    return KVCacheSettings(sizing.kv_cache_dtype, *(scales or (None, None)))
+
+
+def _weight_dtypes(params: Any) -> str:
+    """"float32" or e.g. "float8_e4m3fn + float32": the dtypes the stage's weights are held in."""
+    return " + ".join(sorted({np.asarray(x).dtype.name for x in jax.tree_util.tree_leaves(params)}, reverse=True))
 
 
 def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[int, int, float], None]) -> None:

@@ -112,6 +112,6 @@ def test_compilation_cache_is_on_the_declared_volume(path: Path) -> None:
     final = _final_stage(path)
     env = " ".join(a for k, a in final if k == "ENV")
     cache_dir = re.search(r"JAXCPP_COMPILATION_CACHE_DIR=(\S+)", env)
-    assert cache_dir, "JAXCPP_COMPILATION_CACHE_DIR (jaxcpp/runtime/factory.py) must be set"
+    assert cache_dir, "JAXCPP_COMPILATION_CACHE_DIR (jaxcpp/runtime/stage_ops.py) must be set"
     volumes = [v for k, a in final if k == "VOLUME" for v in json.loads(a)]
     assert any(cache_dir.group(1).startswith(v.rstrip("/") + "/") for v in volumes), (cache_dir.group(1), volumes)

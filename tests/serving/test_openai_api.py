@@ -204,6 +204,8 @@ def test_401_without_the_api_key(serve) -> None:
     assert status(url + "/models") == 401  # no key at all
     ok = openai.OpenAI(base_url=url, api_key="secret", max_retries=0)
     assert [m.id for m in ok.models.list()] == ["tiny"]
+    listed = urllib.request.urlopen(urllib.request.Request(url + "/models", headers={"Authorization": "Bearer secret"}))
+    assert json.loads(listed.read())["data"][0]["kv_cache_dtype"] == "float32"  # what the KV pages hold
     assert urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/health").status == 200  # probes: no key
 
 

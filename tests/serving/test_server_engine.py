@@ -102,6 +102,7 @@ def test_health_model_info_and_no_compilation_after_warmup(real_client) -> None:
     assert real_client.health() == "SERVING"
     info = real_client.model_info()
     assert info.max_model_len == REAL_ENGINE_KWARGS["max_model_len"] and info.vocab_size > 256
+    assert info.kv_cache_dtype == "float32"  # --kv-cache-dtype auto: the model's dtype (GetModelInfo field 15)
     # The engine's counter is process-wide: other tests build engines (KV pressure, `jaxcpp generate`)
     # after the session engine's warm-up, so check that serving itself compiles nothing.
     from jaxcpp.runtime import compile_guard
