@@ -138,7 +138,8 @@ def fixed_plans(prompt_len: int, start: int, sizes: np.ndarray) -> np.ndarray:
 def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start: int = 0,
           queued: int = 0) -> np.ndarray:
     """Predicted makespan of each row of a zero-padded plan matrix, plus, with `queued` prompts waiting
-    behind this one, the time the plan holds stage 0 once for each of them."""
+    behind this one, the time the plan holds the slowest stage once for each of them (they start only
+    after it: a plan of many small chunks finishes its own prompt sooner but delays every one behind)."""
     times = chunk_times(model, plans, start)
     held = times.sum(axis=1) * max(settings.stage_weights or (1.0,))
     return makespan(times, settings.pipeline_parallel_size, settings.stage_weights) + queued * held
@@ -146,7 +147,8 @@ def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start
 
 def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, start: int = 0,
                  queued: int = 0) -> list[int]:
-    """The chunk plan for tokens start..prompt_len that minimises the predicted makespan."""
+    """The chunk plan for tokens start..prompt_len that minimises the predicted makespan (with `queued`
+    prompts behind it: see `score`)."""
     todo = prompt_len - start
     sizes = planner_sizes(settings)
     if todo <= 0:
