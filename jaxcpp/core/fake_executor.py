@@ -164,7 +164,6 @@ class FakeExecutor:
     def _tokens(self, step: StepInput) -> np.ndarray:
         return fake_tokens(step, self.next_token, self.eos_token_id, self.eos_after)
 
-
     @staticmethod
     def one_hot_logprobs(predicted: np.ndarray, chosen: np.ndarray, width: int) -> Logprobs:
         """Log-softmax of one-hot logits (1 at `predicted`, 0 elsewhere): what the device computes of them."""

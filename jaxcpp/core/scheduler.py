@@ -105,7 +105,6 @@ class SchedulerOutput:
         return bool(self.chunks) and self.num_decodes == len(self.chunks)
 
 
-
 class ChunkRequest(Protocol):
     """What a chunk sizer reads of a request (a `Sequence`, or the simulator's stand-in)."""
 

@@ -86,6 +86,11 @@ class StepShape:
         """Every token count a program is compiled for, ascending."""
         return [*self.decode_buckets, *self.token_buckets]
 
+    def takes_prompt_chunks(self, num_tokens: int) -> bool:
+        """Whether a step of this bucket may carry prompt chunks (and so prompt tokens to score): every
+        bucket but the decode-only rungs."""
+        return num_tokens in self.token_buckets
+
 
 def padding_step(num_tokens: int, shape: StepShape) -> StepInput:
     """An all-padding step of one token bucket (warm-up compiles, attention-free forwards)."""

@@ -76,10 +76,10 @@ class PipelineExecutor:
         compile_buckets(self.stages, shape, lambda i, num_tokens, seconds: log.info(
             "compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets), len(self.stages),
             num_tokens, seconds))
-        for num_tokens in buckets:  # decode-only rungs carry no prompt token to score
+        for num_tokens in buckets:
             step_id = next(self._warmup_ids)
             self.submit(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True, want_logprobs=True,
-                        want_prompt_logprobs=num_tokens in shape.token_buckets)
+                        want_prompt_logprobs=shape.takes_prompt_chunks(num_tokens))
             self.collect(step_id)
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
