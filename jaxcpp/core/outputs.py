@@ -57,7 +57,8 @@ class RequestOutput:
     error: str | None = None              # what failed, when finish_reason is "error"
     num_cached_tokens: int = 0            # prompt tokens whose K/V came from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # of new_token_ids, when asked (SamplingParams.logprobs)
-    prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token but the first, once all are scored
+    prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token but the first: on the first
+                                                        # output and the finished one (when asked)
     samples: list[RequestOutput] | None = None  # LLM.generate with n > 1: all n samples (this is the first)
     num_generated: int = 0                # tokens generated so far, new_token_ids included
 
