@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxcpp.chunking.latency_model import LatencyModel
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -272,6 +276,89 @@ class ChunkingConfig:
         _require(self.dynamic_chunking_min_chunk_size >= 1, "dynamic_chunking_min_chunk_size", "must be >= 1")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_CONNECTOR = "JaxTransferConnector"
+# vLLM's other --kv-transfer-config keys, taken so that a vLLM deployment's JSON parses; they mean nothing here
+# (a connection is made per producer stage on demand, from the addresses the producer hands out)
+_VLLM_KV_KEYS_IGNORED = ("kv_rank", "kv_parallel_size", "kv_port", "kv_buffer_size", "kv_buffer_device", "engine_id")
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """--kv-transfer-config, parsed: what this instance does in a disaggregated deployment."""
+
+    role: str                     # kv_producer, kv_consumer or kv_both
+    ip: str                       # the address its KV transfer servers bind and hand out
+    transfer_timeout_s: float     # a consumer's wait for its pages; a producer's offer lives this long
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_transfer_config: str | None = opt(
+        None, "prefill-decode disaggregation, in vLLM's JSON form: {\"kv_role\": \"kv_producer\"} prefills for "
+        "consumers, \"kv_consumer\" decodes what producers prefilled (with --prefill-servers), \"kv_both\" does "
+        "either; optional: \"kv_connector\": \"JaxTransferConnector\" (the only one), \"kv_ip\": the address "
+        "its KV transfer servers bind (default: env POD_IP, else 127.0.0.1), \"kv_connector_extra_config\": "
+        "{\"transfer_timeout_s\": 60}")
+    prefill_servers: str | None = opt(None, "a consumer's producers: gRPC host:port, comma-separated; a host name "
+                                      "that resolves to several addresses (a headless Service) is that many "
+                                      "producers")
+
+    def __post_init__(self) -> None:
+        settings = self.settings()  # parses, naming the bad key
+        consumes = settings is not None and settings.consumes
+        _require(self.prefill_servers is None or consumes, "prefill_servers",
+                 "is for a consumer: add --kv-transfer-config '{\"kv_role\": \"kv_consumer\"}'")
+        _require(self.prefill_servers is not None or not consumes or settings.role == "kv_both",
+                 "prefill_servers", "a kv_consumer needs the producers' addresses")
+        for server in self.prefill_server_list():
+            host, _, port = server.rpartition(":")
+            _require(bool(host) and port.isdigit(), "prefill_servers", f"expected host:port, got {server!r}")
+
+    def prefill_server_list(self) -> list[str]:
+        return [s.strip() for s in (self.prefill_servers or "").split(",") if s.strip()]
+
+    def settings(self) -> KVSettings | None:
+        """The parsed --kv-transfer-config, or None when this instance is not disaggregated."""
+        if self.kv_transfer_config is None:
+            return None
+        name = "kv_transfer_config"
+        try:
+            given = json.loads(self.kv_transfer_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{_flag(name)}: not JSON ({e}): {self.kv_transfer_config!r}") from None
+        _require(isinstance(given, dict), name, f"expected a JSON object, got {self.kv_transfer_config!r}")
+        known = {"kv_connector", "kv_role", "kv_ip", "kv_connector_extra_config", *_VLLM_KV_KEYS_IGNORED}
+        unknown = sorted(set(given) - known)
+        _require(not unknown, name, f"unknown key(s) {unknown}; known: {sorted(known)}")
+        _require(given.get("kv_connector", KV_CONNECTOR) == KV_CONNECTOR, name,
+                 f"kv_connector: only {KV_CONNECTOR!r} (KV pages over jax.experimental.transfer), got "
+                 f"{given.get('kv_connector')!r}")
+        role = given.get("kv_role")
+        _require(role in KV_ROLES, name, f"kv_role: one of {', '.join(KV_ROLES)}, got {role!r}")
+        ip = given.get("kv_ip") or os.environ.get("POD_IP") or "127.0.0.1"
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise ConfigError(f"{_flag(name)}: kv_ip: an IP address of this host is needed (its transfer "
+                              f"servers bind it), got {ip!r}") from None
+        extra = given.get("kv_connector_extra_config") or {}
+        _require(isinstance(extra, dict) and set(extra) <= {"transfer_timeout_s"}, name,
+                 f"kv_connector_extra_config: takes only transfer_timeout_s, got {extra!r}")
+        timeout = extra.get("transfer_timeout_s", 60.0)
+        _require(isinstance(timeout, (int, float)) and timeout > 0, name,
+                 f"kv_connector_extra_config.transfer_timeout_s: seconds > 0, got {timeout!r}")
+        return KVSettings(role, ip, float(timeout))
+
+
 API_KEY_ENV = "JAXCPP_API_KEY"
 
 
@@ -347,13 +434,31 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
-        if self.chunking.enable_dynamic_chunking:
+        kv = self.kv_transfer.settings()
+        if kv is not None and kv.role == "kv_consumer":
+            _require(self.parallel.executor_backend == "inproc", "kv_transfer_config",
+                     "a kv_consumer pulls KV pages into the stages of its own process: "
+                     "--distributed-executor-backend inproc (the default on one host)")
+        if self.chunking.enable_dynamic_chunking and self.dynamic_chunking_refused():
+            log.warning("--enable-dynamic-chunking is off on a kv_consumer: it decodes, the producers prefill "
+                        "(turn it on there)")
+        elif self.chunking.enable_dynamic_chunking:
             _require(self.parallel.pipeline_parallel_size > 1, "enable_dynamic_chunking",
                      "needs --pipeline-parallel-size > 1")
             _require(self.scheduler.enable_chunked_prefill, "enable_dynamic_chunking",
                      "needs chunked prefill (drop --no-enable-chunked-prefill)")
+
+    def dynamic_chunking_refused(self) -> bool:
+        """A kv_consumer never prefills, so it never chunks dynamically (as ATOM: off with a warning)."""
+        kv = self.kv_transfer.settings()
+        return kv is not None and kv.role == "kv_consumer"
+
+    @property
+    def dynamic_chunking(self) -> bool:
+        return self.chunking.enable_dynamic_chunking and not self.dynamic_chunking_refused()
 
     @staticmethod
     def from_kwargs(**kwargs: Any) -> EngineConfig:
@@ -383,5 +488,5 @@ def resolve_alias(name: str) -> str:
 
 ENGINE_SECTIONS: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "parallel": ParallelConfig, "chunking": ChunkingConfig,
+    "parallel": ParallelConfig, "chunking": ChunkingConfig, "kv_transfer": KVTransferConfig,
 }

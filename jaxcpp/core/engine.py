@@ -88,7 +88,7 @@ class LLMEngine:
                  self.allocator.num_usable, self.sizing.page_size, self.sizing.kv_cache_dtype)
 
     def _build_chunk_controller(self) -> DynamicChunkController | None:
-        if not self.config.chunking.enable_dynamic_chunking:
+        if not self.config.dynamic_chunking:  # off on a kv_consumer (EngineConfig says why)
             return None
         return DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
                                                   max_model_len=self.sizing.max_model_len)
