@@ -317,7 +317,7 @@ class KVTransferConfig:
         consumes = settings is not None and settings.consumes
         _require(self.prefill_servers is None or consumes, "prefill_servers",
                  "is for a consumer: add --kv-transfer-config '{\"kv_role\": \"kv_consumer\"}'")
-        _require(self.prefill_servers is not None or not consumes or settings.role == "kv_both",
+        _require(self.prefill_servers is not None or settings is None or settings.role != "kv_consumer",
                  "prefill_servers", "a kv_consumer needs the producers' addresses")
         for server in self.prefill_server_list():
             host, _, port = server.rpartition(":")

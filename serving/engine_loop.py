@@ -39,7 +39,7 @@ class Engine(Protocol):
     tokenizer: Any
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, group: str | None = None) -> None: ...
+                    arrival_time: float | None = None, group: str | None = None, kv_transfer: Any = None) -> None: ...
     def abort_request(self, request_id: str, reason: str = "abort") -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -146,14 +146,18 @@ class EngineLoop:
             self._commands.put(_Command(fn, future))
         return future
 
-    def add_samples(self, state: RequestState, prompt: str | list[int], sink: Sink) -> Future[None]:
-        """Admit a client request's engine requests (its n samples) together, or none of them."""
+    def add_samples(self, state: RequestState, prompt: str | list[int], sink: Sink,
+                    kv_transfer: Any = None) -> Future[None]:
+        """Admit a client request's engine requests (its n samples) together, or none of them.
+        `kv_transfer`: a consumer's prefill on this producer (`KVTransferRequest`; n is 1)."""
 
         def add() -> None:
             added: list[str] = []
             try:
                 for request_id, params in state.engine_requests:
-                    if state.group is None:
+                    if kv_transfer is not None:
+                        self.engine.add_request(request_id, prompt, params, kv_transfer=kv_transfer)
+                    elif state.group is None:
                         self.engine.add_request(request_id, prompt, params)
                     else:
                         self.engine.add_request(request_id, prompt, params, group=state.group)

@@ -54,6 +54,7 @@ from jaxcpp.errors import InvalidRequestError
 from jaxcpp.output_processor import RequestState, SampleDelta, needs_abort
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving.chat_template import ChatTemplate, load_chat_template
+from jaxcpp.serving.disaggregation import connect_producers, kv_transfer_from_proto, layout_to_proto, offer_to_proto
 from jaxcpp.serving.engine_loop import Engine, EngineFailedError, EngineLoop, OutputStream
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
@@ -146,6 +147,11 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             request_id = request_id_from_proto(request)
         except InvalidRequestError as exc:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        kv_transfer = None
+        if request.HasField("kv_transfer"):  # a consumer's prefill (disaggregation)
+            kv_transfer, refused = kv_transfer_from_proto(request.kv_transfer, self._model_info, context.peer())
+            if refused is not None:
+                await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, refused)
         if (held := len(self._in_flight) + self.others_in_flight()) >= self._config.max_queue_size:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request queue is full: {held} requests in flight "
@@ -158,7 +164,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
         state = RequestState(request_id, params, self._engine.engine.tokenizer)
         stream.engine_request_ids = [rid for rid, _ in state.engine_requests]
         try:
-            await asyncio.wrap_future(self._engine.add_samples(state, prompt, stream.sink()))
+            await asyncio.wrap_future(self._engine.add_samples(state, prompt, stream.sink(), kv_transfer))
             while not state.finished:
                 out = await stream.outputs.get()
                 if isinstance(out, BaseException):
@@ -212,7 +218,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             pipeline_parallel_size=info.pipeline_parallel_size,
             tensor_parallel_size=info.tensor_parallel_size,
             eos_token_ids=list(info.eos_token_ids), server_version=jaxcpp.__version__,
-            kv_cache_dtype=info.kv_cache_dtype)
+            kv_cache_dtype=info.kv_cache_dtype, kv_role=info.kv_role,
+            kv_layout=layout_to_proto(info.kv_layout) if info.kv_layout is not None else None)
 
     async def GetServerStats(self, request: pb.GetServerStatsRequest,
                              context: grpc.aio.ServicerContext) -> pb.GetServerStatsResponse:
@@ -242,6 +249,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
             response.e2e_s = m.e2e or (time.monotonic() - m.arrival_time)
             response.num_cached_tokens = out.num_cached_tokens
             response.stop_string = delta.stop_reason if isinstance(delta.stop_reason, str) else ""
+            if out.kv_offer is not None:
+                response.kv_offer.CopyFrom(offer_to_proto(out.kv_offer))
         return response
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
@@ -485,6 +494,7 @@ class Server:
 
     async def attach_engine(self, engine: Engine) -> None:
         """Start the engine thread on `engine`, open the service and turn health SERVING."""
+        connect_producers(engine, self.config.resolve_api_key())  # a kv_consumer's: before it takes requests
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
         engine.add_failure_listener(self._on_engine_failure)  # a stage that dies while the engine idles
         self.engine_loop.start()

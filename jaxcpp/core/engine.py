@@ -32,10 +32,11 @@ from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
 from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
+from jaxcpp.core.kv_transfer import KVLayout, KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
-from jaxcpp.core.sequence import Sequence
+from jaxcpp.core.sequence import Sequence, SequenceStatus
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.core.step_input import build_step_input
@@ -82,6 +83,10 @@ class LLMEngine:
         self._phases = PhaseRecorder()
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
+        self.kv = config.kv_transfer.settings()   # None: not disaggregated
+        self.kv_layout = KVLayout.of(self.sizing)
+        self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
+        self._remote_skip: dict[str, int] = {}    # a consumer's requests with a job running: pages they had
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
@@ -93,8 +98,15 @@ class LLMEngine:
         return DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
                                                   max_model_len=self.sizing.max_model_len)
 
+    def attach_remote_prefill(self, remote: RemotePrefill) -> None:
+        """A consumer's producers: from now on a prompt is prefilled by one of them (`_remote_prefills`)."""
+        assert self.kv is not None and self.kv.consumes, "a remote prefill is for a kv_consumer"
+        self.remote = remote
+
     def close(self) -> None:
         """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
+        if self.remote is not None:
+            self.remote.close()
         self.executor.close()
         self._phases.close()
         if self._frozen:
@@ -103,17 +115,34 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, group: str | None = None) -> None:
-        """`group`: the samples of one prompt (n > 1) share one id here, so they share one prefill."""
+                    arrival_time: float | None = None, group: str | None = None,
+                    kv_transfer: KVTransferRequest | None = None) -> None:
+        """`group`: the samples of one prompt (n > 1) share one id here, so they share one prefill.
+        `kv_transfer` (a producer's): a consumer's prefill, whose pages are offered once it has sampled."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(token_ids, params, self.sizing, self.config.scheduler)
+        if kv_transfer is not None:
+            self._check_kv_transfer(kv_transfer, token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
-                       banned_ids=self._banned_ids(params), group=group)
-        self.scheduler.add(seq)
+                       banned_ids=self._banned_ids(params), group=group, kv_transfer=kv_transfer)
+        if self.remote is not None and not params.reads_history_on_device:
+            self.scheduler.add_remote(seq)
+        else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
+            self.scheduler.add(seq)
+
+    def _check_kv_transfer(self, kv_transfer: KVTransferRequest, token_ids: list[int],
+                           params: SamplingParams) -> None:
+        if self.kv is None or not self.kv.produces:
+            raise InvalidRequestError("kv_transfer", "this instance is not a kv_producer (--kv-transfer-config)")
+        if params.max_tokens != 1 or params.n != 1:
+            raise InvalidRequestError("max_tokens", "a prefill for a consumer samples one token (max_tokens 1, n 1)")
+        if kv_transfer.skip_pages > (len(token_ids) - 1) // self.sizing.page_size:
+            raise InvalidRequestError("kv_transfer.skip_pages", f"{kv_transfer.skip_pages} is more than the "
+                                      "prompt's whole pages before its last token")
 
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids)."""
@@ -136,6 +165,9 @@ class LLMEngine:
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return
+        if seq.status is SequenceStatus.REMOTE and self.remote is not None:
+            self.remote.cancel(request_id)  # its pull may still land: it is dropped, never written
+            self._remote_skip.pop(request_id, None)
         self.scheduler.finish(seq, reason, time.monotonic())
         self._aborted.append(self._output(seq, []))
 
@@ -147,6 +179,8 @@ class LLMEngine:
         """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
+        if self.remote is not None:
+            outputs += self._remote_prefills()
         submitted = collect = False
         try:
             submitted = self._pipe_has_room() and self._submit_next()
@@ -158,6 +192,35 @@ class LLMEngine:
         self.executor.record_host_phases(self._phases.take())
         self._log_stats(time.perf_counter() - start if submitted or collect else 0.0)  # busy time only
         return outputs
+
+    # ---- a consumer's remote prefills (disaggregation: `jaxcpp.core.kv_transfer`) -------------------
+    def _remote_prefills(self) -> list[RequestOutput]:
+        """Start the remote prefills pages allow, and admit the ones whose pages have arrived. With nothing
+        else to do, wait a little for one (the loop would spin otherwise)."""
+        assert self.remote is not None
+        for seq in [s for s in self.scheduler.remote if s.request_id not in self._remote_skip]:
+            skip = self.scheduler.reserve_remote(seq)
+            if skip is None:
+                break  # first come, first served: later ones wait for pages too
+            self._remote_skip[seq.request_id] = skip
+            self.remote.start(RemoteJob(seq.request_id, seq.prompt_token_ids, seq.params, seq.seed, skip))
+        idle = not (self._in_flight or self.scheduler.running or self.scheduler.waiting)
+        return [out for done in self.remote.done(wait_s=0.005 if idle else 0.0) for out in self._admit_remote(done)]
+
+    def _admit_remote(self, done: RemoteDone) -> list[RequestOutput]:
+        seq = self.scheduler.requests.get(done.request_id)
+        skip = self._remote_skip.pop(done.request_id, None)
+        if seq is None or seq.status is not SequenceStatus.REMOTE or skip is None:
+            return []  # aborted meanwhile: its pages are free already, its pull is dropped
+        now = time.monotonic()
+        if done.error is not None:
+            self.scheduler.finish(seq, "error", now)
+            return [dataclasses.replace(self._output(seq, []), error=done.error)]
+        self.executor.import_kv(done.pulled, seq.pages[skip:])  # type: ignore[attr-defined]
+        if done.logprobs is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(done.logprobs)
+        self.scheduler.admit_remote(seq, done.first_token, now)
+        return [self._output(seq, [done.first_token])]
 
     def _log_stats(self, busy_s: float) -> None:
         self._stats.add_busy(busy_s)
@@ -203,9 +266,21 @@ class LLMEngine:
             raise
         self._in_flight.popleft()
         with phase("postprocess"):
+            self._offer_kv_pages(sched)
             sampled = self.scheduler.postprocess(sched, result, time.monotonic())
             self._stats.count_sampled(len(sampled))
             return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+
+    def _offer_kv_pages(self, sched: SchedulerOutput) -> None:
+        """A producer's prefills that sampled their (one) token: offer the prompt's pages to their consumer
+        before postprocess frees them. The gathers go to the executor before any later step, which may
+        then reuse the pages."""
+        for chunk in sched.chunks:
+            seq, ask = chunk.seq, chunk.seq.kv_transfer
+            if chunk.samples and ask is not None and not seq.is_finished:
+                prompt_pages = -(-len(seq.prompt_token_ids) // self.sizing.page_size)
+                seq.kv_offer = self.executor.offer_kv(ask.transfer_id,  # type: ignore[attr-defined]
+                                                      seq.pages[ask.skip_pages:prompt_pages])
 
     def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Garbage from a device must not become a request's output: ids outside the vocabulary fail the
@@ -254,7 +329,7 @@ class LLMEngine:
                              logprobs=new_logprobs,
                              prompt_logprobs=list(seq.prompt_logprobs) if p.prompt_logprobs is not None
                              and (seq.is_finished or len(new_token_ids) == len(generated)) else None,
-                             num_generated=len(generated))
+                             num_generated=len(generated), kv_offer=seq.kv_offer if seq.is_finished else None)
 
     def add_failure_listener(self, callback: FailureListener) -> None:
         """`callback(error)` when the executor fails between steps (a stage process died while idle)."""
@@ -263,7 +338,8 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.remote),  # a consumer's: prefilling elsewhere
             num_pages_used=self.allocator.num_used, num_pages_free=self.allocator.num_free,
             num_pages_total=self.allocator.num_usable,
             num_compilations_since_warmup=self.executor.num_compilations() - self._compilations_at_warmup,
@@ -281,7 +357,8 @@ class LLMEngine:
         return ModelInfo(self.sizing.spec.name, m.architecture, m.vocab_size, self.sizing.max_model_len,
                          m.num_hidden_layers, m.hidden_size, m.dtype, self.sizing.page_size,
                          c.scheduler.max_num_batched_tokens, c.parallel.pipeline_parallel_size,
-                         c.parallel.tensor_parallel_size, self.sizing.eos_token_ids, self.sizing.kv_cache_dtype)
+                         c.parallel.tensor_parallel_size, self.sizing.eos_token_ids, self.sizing.kv_cache_dtype,
+                         self.kv.role if self.kv is not None else "", self.kv_layout)
 
 
 def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSizing,

@@ -61,6 +61,7 @@ class RequestOutput:
                                                         # output and the finished one (when asked)
     samples: list[RequestOutput] | None = None  # LLM.generate with n > 1: all n samples (this is the first)
     num_generated: int = 0                # tokens generated so far, new_token_ids included
+    kv_offer: Any = None                  # a producer's finished output: where its KV pages wait (KVOffer)
 
 
 def _count(metric: str = "", doc: str = "", default: int | None = None) -> Any:
@@ -132,3 +133,5 @@ class ModelInfo:
     tensor_parallel_size: int
     eos_token_ids: tuple[int, ...]
     kv_cache_dtype: str = ""  # what the KV pages hold: the model's dtype, float8_e4m3fn or float8_e5m2
+    kv_role: str = ""         # its part in disaggregation: kv_producer, kv_consumer, kv_both, "" (none)
+    kv_layout: Any = None     # what its KV pages hold (KVLayout): a consumer checks a producer's against its own

@@ -177,6 +177,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished request, by id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order: the oldest is preempted last
+        self.remote: list[Sequence] = []      # a consumer's, prefilled by a producer (pages reserved or not yet)
         self.num_preemptions = 0
         self.num_steps = 0
         self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
@@ -188,12 +189,20 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
+    def add_remote(self, seq: Sequence) -> None:
+        """A consumer's request: a producer prefills it (`reserve_remote`, then `admit_remote`)."""
+        self.requests[seq.request_id] = seq
+        seq.status = SequenceStatus.REMOTE
+        self.remote.append(seq)
+
     def finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         """Retire a sequence (finished, aborted or failed) and free its pages."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.REMOTE:
+            self.remote.remove(seq)
         self._free_pages(seq)
         if seq.history_slot >= 0:
             self.free_history_slots.append(seq.history_slot)
@@ -390,21 +399,54 @@ class Scheduler:
             return []
         return self.allocator.lookup(seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size))
 
+    # ---- a consumer's requests (disaggregation) ------------------------------------------------
+    def reserve_remote(self, seq: Sequence) -> int | None:
+        """Pages for a remote request's whole prompt, its cached prefix first; the number of cached pages
+        (the producer offers the rest), or None with nothing changed when the pages are not there."""
+        hits = self._cached_prefix(seq)
+        need = -(-len(seq.prompt_token_ids) // self.page_size) - len(hits)
+        if not self.allocator.can_allocate(need, reusing=hits):
+            return None
+        self.allocator.acquire(hits)
+        seq.pages = hits + self.allocator.allocate(need)
+        seq.num_published_pages = len(hits)
+        seq.num_cached_tokens = seq.admission_prefix = len(hits) * self.page_size
+        self.prefix_queried_tokens += len(seq.prompt_token_ids)
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        return len(hits)
+
+    def admit_remote(self, seq: Sequence, first_token: int, now: float) -> None:
+        """Its prompt's K/V are in its pages (written by a step-ordered import) and its first token is
+        back: it runs on as a decode, or finishes at once."""
+        self.remote.remove(seq)
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._publish(seq, len(seq.prompt_token_ids) // self.page_size)
+        seq.num_pending += 1
+        seq.receive_token(first_token)
+        seq.metrics.record_token(now)
+        reason = self._finish_reason(seq, first_token)
+        if reason is not None:
+            self.finish(seq, reason, now)
+
     # ---- the prefix cache ----------------------------------------------------------------------
     def publish_written_pages(self, sched: SchedulerOutput) -> None:
         """Register the full pages a step fills, once it is submitted (see the module docstring)."""
-        if not self.prefix_caching:
-            return
         for chunk in sched.chunks:
             seq = chunk.seq
             # A page is hashed by its tokens: one holding a token still on the device waits a step.
-            full = min(chunk.start + chunk.num_tokens, seq.num_tokens) // self.page_size
-            if full <= seq.num_published_pages or seq.status is not SequenceStatus.RUNNING:
-                continue  # no page filled up (most decodes), or aborted since
-            hashes = seq.page_hashes(full, self.page_size)
-            for i in range(seq.num_published_pages, full):
-                self.allocator.register(seq.pages[i], hashes[i])
-            seq.num_published_pages = full
+            if seq.status is SequenceStatus.RUNNING:  # not aborted since
+                self._publish(seq, min(chunk.start + chunk.num_tokens, seq.num_tokens) // self.page_size)
+
+    def _publish(self, seq: Sequence, full: int) -> None:
+        """Register `seq`'s first `full` pages (those not yet registered) in the prefix cache."""
+        if not self.prefix_caching or full <= seq.num_published_pages:
+            return  # no page filled up (most decodes)
+        hashes = seq.page_hashes(full, self.page_size)
+        for i in range(seq.num_published_pages, full):
+            self.allocator.register(seq.pages[i], hashes[i])
+        seq.num_published_pages = full
 
     def forget_cached_pages(self) -> None:
         """Drop the whole prefix cache: a failed step may have left pages it was to write unwritten."""

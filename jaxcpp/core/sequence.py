@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxcpp.core.kv_transfer import KVOffer, KVTransferRequest
 from jaxcpp.core.outputs import RequestMetrics, TokenLogprobs
 from jaxcpp.core.prefix_cache import PageHash, PageHashes
 from jaxcpp.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ from jaxcpp.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    REMOTE = "remote"        # a consumer's: its pages reserved, its prompt prefilled by a producer
     FINISHED = "finished"
 
 
@@ -57,6 +59,8 @@ class Sequence:
     group: str | None = None                    # the request the n samples of one prompt came from
     logprobs: list[TokenLogprobs] = field(default_factory=list)         # per output token, when asked
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per prompt token from the second
+    kv_transfer: KVTransferRequest | None = None  # a producer's: offer the prompt's pages to a consumer
+    kv_offer: KVOffer | None = None               # ... where they wait, once offered
     _page_hashes: PageHashes | None = field(default=None, repr=False)
 
     @property

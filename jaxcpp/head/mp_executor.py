@@ -50,6 +50,7 @@ from typing import Any
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.kv_transfer import KVOffer, KVSource, page_bucket
 from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head import wire
@@ -76,6 +77,7 @@ class _StageLink:
     host: str = ""
     address: str = ""                      # the address it advertises (its transfer server binds it)
     transfer: str = ""                     # its transfer server, once ready
+    layers: tuple[int, int] = (0, 0)       # its layers [start, end), once ready
     compilations: int = 0                  # the stage's own count, as of its latest message
     sized: tuple[str, int] | None = None   # the (dtype, KV pages) it built, as it reported them
     clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
@@ -192,7 +194,9 @@ class MultiProcessExecutor:
             control_port = split_host_port(addresses.control)[1]
             listen, spawn = ("0.0.0.0", control_port), [0]
         else:
-            control_port, advertise = free_port(), "127.0.0.1"
+            kv = self._config.kv_transfer.settings()
+            # a producer's stages offer KV pages to other hosts: their transfer servers bind its kv_ip
+            control_port, advertise = free_port(), kv.ip if kv is not None and kv.produces else "127.0.0.1"
             listen, authkey = ("127.0.0.1", control_port), secrets.token_bytes(16)
             coordinator = f"127.0.0.1:{free_port()}"
             spawn = list(range(self.num_stages))
@@ -279,6 +283,7 @@ class MultiProcessExecutor:
         sized = (self.sizing.spec.config.dtype, self.sizing.num_pages)
         for ln, header in self._await_all("ready", deadline):
             ln.transfer = header["transfer"]
+            ln.layers = (header["layers"][0], header["layers"][1])
             ln.sized = (header["dtype"], header["num_pages"])
             if ln.sized != sized:
                 raise ln.error(f"built (dtype, KV pages) {ln.sized}, the head sized {sized}")
@@ -546,6 +551,14 @@ class MultiProcessExecutor:
         waiting for this message), received, pull_start, inputs_ready, done."""
         with self._lock:
             return list(self._probes)
+
+    def offer_kv(self, transfer_id: int, pages: list[int]) -> KVOffer:
+        """Every stage gathers its layers' `pages` and offers them on its own transfer server, in order with
+        the steps on its control channel (so later steps may reuse the pages); nothing waits here."""
+        self._raise_if_failed()
+        self._broadcast({"op": "offer_kv", "id": transfer_id, "pages": pages})
+        return KVOffer(tuple(KVSource(ln.transfer, *ln.layers) for ln in self.links), len(pages),
+                       page_bucket(len(pages)))
 
     def _broadcast(self, header: dict[str, Any], arrays: list[Any] = ()) -> None:  # type: ignore[assignment]
         for ln in self.links:

@@ -49,5 +49,5 @@ def build_inproc_executor(config: EngineConfig, sizing: EngineSizing) -> Pipelin
              sizing.spec.name, model.architecture, model.num_hidden_layers, model.dtype,
              ", fp8 decoder weights" if config.model.quantization else "", len(stages),
              [end - begin for begin, end in sizing.layers], time.perf_counter() - start)
-    return PipelineExecutor(stages, p.trace_file)
+    return PipelineExecutor(stages, p.trace_file, config.kv_transfer.settings())
 

@@ -26,10 +26,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxcpp.config import KVSettings
 from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.kv_transfer import KVOffer, KVSource, page_bucket, page_buckets
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
+from jaxcpp.runtime.kv_transport import KVTransport, PulledPages, gather_offer
 from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput
 from jaxcpp.runtime.stage_ops import COMPILE_THREADS, compile_buckets, time_attention_free
 from jaxcpp.runtime.timing import DispatchedStage, TimingRecorder
@@ -48,7 +51,8 @@ class _Submitted:
 
 
 class PipelineExecutor:
-    def __init__(self, stages: list[Stage], trace_file: str | None = None) -> None:
+    def __init__(self, stages: list[Stage], trace_file: str | None = None, kv: KVSettings | None = None) -> None:
+        """`kv`: this instance's part in disaggregation (its transfer server starts here), or None."""
         compile_guard.install()
         self._compilations_at_start = compile_guard.num_compilations()
         self.stages = stages
@@ -63,6 +67,8 @@ class PipelineExecutor:
         self._shape: StepShape | None = None  # set by warmup
         self._attention_free_ready: set[int] = set()
         self._closed = False
+        self._kv = kv
+        self._transport = KVTransport(kv.ip) if kv is not None else None
 
     # ---- the Executor contract -----------------------------------------------------------------
     def warmup(self, shape: StepShape) -> float:
@@ -76,6 +82,9 @@ class PipelineExecutor:
         compile_buckets(self.stages, shape, lambda i, num_tokens, seconds: log.info(
             "compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets), len(self.stages),
             num_tokens, seconds))
+        if self._kv is not None:
+            for stage in self.stages:
+                stage.compile_page_transfers(page_buckets(shape.pages_per_seq), self._kv.produces, self._kv.consumes)
         for num_tokens in buckets:
             step_id = next(self._warmup_ids)
             self.submit(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True, want_logprobs=True,
@@ -162,6 +171,26 @@ class PipelineExecutor:
         self._timing.close()
         if self._trace is not None:
             self._trace.close()
+
+    # ---- disaggregation: KV pages out (a producer) and in (a consumer) ---------------------------
+    def offer_kv(self, transfer_id: int, pages: list[int]) -> KVOffer:
+        """Gather `pages` (dispatched in order with the steps, so later steps may reuse them) and offer
+        them on this process's transfer server for the transfer timeout."""
+        assert self._kv is not None and self._transport is not None, "offer_kv needs --kv-transfer-config"
+        self._transport.offer(transfer_id, gather_offer(self.stages, pages), self._kv.transfer_timeout_s)
+        source = KVSource(self._transport.address, self.stages[0].layers[0], self.stages[-1].layers[1])
+        return KVOffer((source,), len(pages), page_bucket(len(pages)))
+
+    def pull_kv(self, offer: KVOffer, transfer_id: int, deadline: float) -> PulledPages | None:
+        """Pull an offer onto the stages' devices and wait for it (any thread but the engine's); None when
+        it has not arrived by `deadline` (time.monotonic())."""
+        assert self._transport is not None, "pull_kv needs --kv-transfer-config"
+        pulled = PulledPages(self._transport, self.stages, offer, transfer_id)
+        return pulled if pulled.wait(deadline) else None
+
+    def import_kv(self, pulled: PulledPages, pages: list[int]) -> None:
+        """Write a pull that has arrived into `pages` (the engine's thread: in order with the steps)."""
+        pulled.write_into(pages)
 
     # ---- beyond the contract: probes for tests and benchmarks ------------------------------------
     def timings(self) -> list[StageTiming]:

@@ -131,6 +131,18 @@ def prompt_logprobs(params: llama.Params, hidden: jax.Array, packed: jax.Array, 
     return PromptLogprobs(lp.reshape(-1), ids.reshape(-1, ids.shape[-1]), top.reshape(-1, top.shape[-1]))
 
 
+def gather_pages(k: jax.Array, v: jax.Array, pages: jax.Array) -> list[jax.Array]:
+    """[layers, num_pages, ...] K and V -> one [len(pages), ...] array per layer, K then V."""
+    return [k[i, pages] for i in range(k.shape[0])] + [v[i, pages] for i in range(v.shape[0])]
+
+
+def scatter_pages(kv: llama.KVCache, layers: list[jax.Array], pages: jax.Array) -> llama.KVCache:
+    """`gather_pages`'s arrays written into `pages` of `kv` (padding entries all write page 0)."""
+    n = kv.k.shape[0]
+    return kv._replace(k=kv.k.at[:, pages].set(jnp.stack(layers[:n])),
+                       v=kv.v.at[:, pages].set(jnp.stack(layers[n:])))
+
+
 def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
                    kv_scales: jax.Array | None = None) -> jax.Array:
     """Attention skipped: the attention-free forwards of the calibration sweep time everything else."""
@@ -175,6 +187,10 @@ class Stage:
                                         static_argnames=("layout",), out_shardings=rep)
         self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
+        # disaggregation: a producer gathers a request's pages, a consumer scatters them into its own
+        self._one_device = jax.sharding.SingleDeviceSharding(self.devices[0])
+        self._gather = jax.jit(gather_pages, out_shardings=self._one_device)
+        self._scatter = jax.jit(scatter_pages, donate_argnums=(0,), out_shardings=self._kv_shardings)
 
     @property
     def devices(self) -> list[Any]:
@@ -249,6 +265,34 @@ class Stage:
         out, self.kv = self._program(self.params, self.kv, hidden, batch.packed, self._feedback(fed_back),
                                      layout=batch.layout)
         return self._output(out, batch)
+
+    # ---- KV pages in and out (disaggregation) ----------------------------------------------------
+    def gather_pages(self, pages: np.ndarray) -> list[jax.Array]:
+        """This stage's K and V of `pages` (padded to a page bucket with page 0), one array per layer, K
+        then V, on the stage's first device: what a producer offers. A copy: the pages may be reused."""
+        return self._gather(self.kv.k, self.kv.v, jax.device_put(pages, self.replicated))
+
+    def pages_aval(self, num_pages: int) -> list[jax.ShapeDtypeStruct]:
+        """What `gather_pages` returns (and a consumer pulls) for `num_pages` pages."""
+        _, _, page_size, heads, head_dim = self.kv.k.shape
+        one = jax.ShapeDtypeStruct((num_pages, page_size, heads, head_dim), self.kv_cache_dtype,
+                                   sharding=self._one_device)
+        return [one] * (2 * (self.layers[1] - self.layers[0]))
+
+    def import_pages(self, layers: list[jax.Array], pages: np.ndarray) -> None:
+        """Write pulled pages (`pages_aval`'s arrays, for this stage's layers) into its own `pages`."""
+        self.kv = self._scatter(self.kv, jax.device_put(layers, self.replicated),
+                                jax.device_put(pages, self.replicated))
+
+    def compile_page_transfers(self, buckets: list[int], gather: bool, scatter: bool) -> None:
+        """The gather and/or scatter program of every page bucket, at warm-up (no compile later)."""
+        for n in buckets:
+            pages = self._aval((n,), np.int32)
+            if gather:
+                self._gather.lower(self.kv.k, self.kv.v, pages).compile()
+            if scatter:
+                layers = [self._aval(a.shape, a.dtype) for a in self.pages_aval(n)]
+                self._scatter.lower(self.kv, layers, pages).compile()
 
     def run_prompt_logprobs(self, out: StepOutput) -> PromptLogprobs:
         """The last stage's step output -> every token's prompt log-probabilities (dispatched, not awaited)."""

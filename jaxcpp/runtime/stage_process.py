@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxcpp.core.kv_transfer import padded_pages, page_bucket, page_buckets
 from jaxcpp.head import wire
 from jaxcpp.head.cluster import (
     check_local,
@@ -180,6 +181,7 @@ class StageWorker:
         from jax.experimental import transfer
 
         from jaxcpp.runtime import compile_guard
+        from jaxcpp.runtime.kv_transport import KVTransport
 
         compile_guard.install()
         self._compilations_at_start = compile_guard.num_compilations()
@@ -191,7 +193,7 @@ class StageWorker:
             jax.devices()  # creates the client and its thread pools before the process is pinned
             pin_to_cores(setup["cores"])
         self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
-        self.stage, built = _stage(index, num_stages, setup["config"], sizing.get())
+        self.stage, built, self._kv = _stage(index, num_stages, setup["config"], sizing.get())
         self.shape = built.shape
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
                                                       [host_port(my_ip, 0)])
@@ -203,6 +205,7 @@ class StageWorker:
             peers[peer] = kv.blocking_key_value_get(f"jaxcpp/transfer/{peer}", 300_000)
             check_reachable(my_ip, peers[peer], f"stage {peer}'s transfer server")
         self._prev = self._server.connect(peers[index - 1]) if index > 0 else None
+        self._kv_transport = KVTransport(my_ip, self._server) if self._kv is not None else None
         # async scheduling: the first stage reads the last's tokens
         self._last = self._server.connect(peers[num_stages - 1]) if index == 0 and num_stages > 1 else None
         self._recent_tokens: dict[int, Any] = {}  # first stage: tokens a step in flight may feed back
@@ -222,7 +225,8 @@ class StageWorker:
 
     # ---- the control loop ----------------------------------------------------------------------
     def loop(self) -> int:
-        handlers = {"step": self._step, "warmup": self._warmup, "attention_free": self._attention_free}
+        handlers = {"step": self._step, "warmup": self._warmup, "attention_free": self._attention_free,
+                    "offer_kv": self._offer_kv}
         while True:
             self._idle_since = time.perf_counter()  # waiting for the head: what follows is channel latency
             try:
@@ -330,9 +334,18 @@ class StageWorker:
         compile_buckets([self.stage], self.shape, lambda i, num_tokens, seconds: self._send(
             {"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets), "num_tokens": num_tokens,
              "seconds": seconds}))
+        if self._kv is not None and self._kv.produces:
+            self.stage.compile_page_transfers(page_buckets(self.shape.pages_per_seq), gather=True, scatter=False)
         for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
         self._send({"op": "reply", "what": "warmup"})
+
+    def _offer_kv(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """A producer's request has sampled: this stage's layers of its pages, offered to the consumer."""
+        assert self._kv is not None and self._kv_transport is not None, "the head offers only with kv settings"
+        pages = header["pages"]
+        padded = np.asarray(padded_pages(pages, page_bucket(len(pages))), np.int32)
+        self._kv_transport.offer(header["id"], self.stage.gather_pages(padded), self._kv.transfer_timeout_s)
 
     def _attention_free(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """The calibration sweep's forward, timed around the model call with its inputs ready."""
@@ -383,9 +396,9 @@ def _layout(fields: list[list[Any]]) -> Any:
 
 
 def _stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_message: dict[str, Any]
-           ) -> tuple[Any, Any]:
-    """This stage (`stage_ops.build_stage`) on this process's devices, and the sizing it was built with:
-    the head's, so dtype, pages and buckets agree."""
+           ) -> tuple[Any, Any, Any]:
+    """This stage (`stage_ops.build_stage`) on this process's devices, the sizing it was built with (the
+    head's, so dtype, pages and buckets agree), and its part in disaggregation (KVSettings or None)."""
     import jax
 
     from jaxcpp.config import ENGINE_SECTIONS, EngineConfig
@@ -400,7 +413,7 @@ def _stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_mess
     stage = build_stage(index, num_stages, mesh, config, sizing)
     log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
              stage.layers[0], stage.layers[1] - 1, ",".join(str(d) for d in stage.devices))
-    return stage, sizing
+    return stage, sizing, config.kv_transfer.settings()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,19 +63,67 @@ class SamplingParameters(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "kv_transfer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling: SamplingParameters
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ...) -> None: ...
+    kv_transfer: KvTransferRequest
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., kv_transfer: _Optional[_Union[KvTransferRequest, _Mapping]] = ...) -> None: ...
+
+class KvTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "skip_pages", "layout")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    skip_pages: int
+    layout: KvLayout
+    def __init__(self, transfer_id: _Optional[int] = ..., skip_pages: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("model", "num_layers", "page_size", "kv_cache_dtype", "num_kv_heads", "head_dim")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_layers: int
+    page_size: int
+    kv_cache_dtype: str
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("address", "first_layer", "end_layer")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    first_layer: int
+    end_layer: int
+    def __init__(self, address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ...) -> None: ...
+
+class KvOffer(_message.Message):
+    __slots__ = ("sources", "num_pages", "num_pages_padded")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_PADDED_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[KvSource]
+    num_pages: int
+    num_pages_padded: int
+    def __init__(self, sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., num_pages: _Optional[int] = ..., num_pages_padded: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "ttft_s", "e2e_s", "logprobs", "index", "prompt_logprobs", "stop_string", "num_cached_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "ttft_s", "e2e_s", "logprobs", "index", "prompt_logprobs", "stop_string", "num_cached_tokens", "kv_offer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +137,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -102,7 +151,8 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     stop_string: str
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_offer: KvOffer
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv_offer: _Optional[_Union[KvOffer, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -127,7 +177,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "num_layers", "hidden_size", "dtype", "max_num_batched_tokens", "pipeline_parallel_size", "tensor_parallel_size", "eos_token_ids", "server_version", "page_size", "kv_cache_dtype")
+    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "num_layers", "hidden_size", "dtype", "max_num_batched_tokens", "pipeline_parallel_size", "tensor_parallel_size", "eos_token_ids", "server_version", "page_size", "kv_cache_dtype", "kv_role", "kv_layout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +192,8 @@ class GetModelInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -156,7 +208,9 @@ class GetModelInfoResponse(_message.Message):
     server_version: str
     page_size: int
     kv_cache_dtype: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    kv_role: str
+    kv_layout: KvLayout
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_role: _Optional[str] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,140 @@
+"""Prefill-decode disaggregation, the host's side: what a producer offers and a consumer pulls. No jax.
+
+    producer                                         consumer (the entry for clients)
+    --------                                         --------
+                                                     reserve the prompt's pages (its prefix cache first)
+    Generate(prompt, max_tokens=1, kv_transfer) <--- pick the least-loaded producer, send it the request
+    prefill, sample the first token
+    every stage: gather its layers' pages into
+    one array per layer (a page-count bucket),
+    offer them under transfer_id (await_pull)
+    last response: first token + KVOffer ----------> pull each stage's arrays straight onto its devices
+                                                     (jax.experimental.transfer), scatter them into its
+                                                     own pages, then decode from the first token
+
+The arrays go stage to device over jax's transfer servers, never through a Python head; the gRPC
+messages carry ids, addresses and the first token. A gathered copy is the handoff: the producer's pages
+are freed (into its prefix cache) as soon as the offer exists, so a slow consumer never holds prefill
+capacity; an offer no one pulls is dropped after the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from jaxcpp.core.outputs import TokenLogprobs
+from jaxcpp.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxcpp.core.sizing import EngineSizing
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one KV page holds: a producer and a consumer must agree on every field."""
+
+    model: str
+    num_layers: int
+    page_size: int
+    kv_cache_dtype: str
+    num_kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(sizing: EngineSizing) -> KVLayout:
+        m = sizing.spec.config
+        return KVLayout(sizing.spec.name, m.num_hidden_layers, sizing.page_size, sizing.kv_cache_dtype,
+                        m.num_key_value_heads, m.head_dim)
+
+    def mismatch(self, other: KVLayout, me: str, them: str) -> str | None:
+        """None when the two agree, else a message naming every field that differs, and both sides."""
+        diffs = [f"{f.name} {getattr(self, f.name)!r} ({me}) vs {getattr(other, f.name)!r} ({them})"
+                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        return f"KV layouts differ: {'; '.join(diffs)}" if diffs else None
+
+
+@dataclass(frozen=True)
+class KVTransferRequest:
+    """A consumer's ask, carried by the producer's request: offer the prompt's pages from `skip_pages` on."""
+
+    transfer_id: int
+    skip_pages: int = 0
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """One producer stage: its transfer server and its layers [first, end)."""
+
+    address: str
+    first_layer: int
+    end_layer: int
+
+
+@dataclass(frozen=True)
+class KVOffer:
+    """Where a request's pages wait: per stage, one [num_pages_padded, page_size, kv heads, head dim] array
+    per layer, K then V, under the request's transfer id."""
+
+    sources: tuple[KVSource, ...]
+    num_pages: int
+    num_pages_padded: int
+
+
+def page_buckets(pages_per_seq: int) -> list[int]:
+    """Page counts the gather and scatter programs are compiled for: powers of two, up to the first that
+    holds a whole sequence's pages. Powers of two on both sides, so a producer's bucket is one its
+    consumer has, whatever either's --max-model-len."""
+    buckets = [1]
+    while buckets[-1] < pages_per_seq:
+        buckets.append(2 * buckets[-1])
+    return buckets
+
+
+def page_bucket(num_pages: int) -> int:
+    """The bucket a transfer of `num_pages` pages is padded to."""
+    return 1 << max(0, num_pages - 1).bit_length()
+
+
+def padded_pages(pages: list[int], size: int) -> list[int]:
+    """`pages` padded with the reserved page 0 to `size`: padding reads and writes only page 0."""
+    return pages + [0] * (size - len(pages))
+
+
+@dataclass(frozen=True)
+class RemoteJob:
+    """A consumer's request for a producer: its prompt, its sampling (the seed drawn here, so a producer
+    samples the first token as this engine would have) and the pages it already holds."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    skip_pages: int
+
+
+@dataclass(frozen=True)
+class RemoteDone:
+    """A remote prefill that ended: its first token and pulled pages (arrived, not yet written), or why not."""
+
+    request_id: str
+    first_token: int = -1
+    logprobs: TokenLogprobs | None = None
+    pulled: Any = None        # the executor's pull (`pull_kv`), for `import_kv`
+    error: str | None = None
+
+
+class RemotePrefill(Protocol):
+    """How a consumer's engine has its prompts prefilled elsewhere (`jaxcpp.serving.disaggregation`: over
+    gRPC, with the least-loaded producer). `start` and `cancel` return at once; the work runs in threads."""
+
+    def start(self, job: RemoteJob) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def done(self, wait_s: float) -> list[RemoteDone]:
+        """Jobs ended since the last call, waiting up to `wait_s` for one when there are none."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,102 @@
+"""KV pages between instances (disaggregation), the device side: jax.experimental.transfer.
+
+A producer's stage gathers a request's pages into one array per layer (`Stage.gather_pages`) and offers
+them on its process's transfer server under the request's transfer id, for `timeout_s` (then they are
+dropped). A consumer pulls each source's arrays straight onto the devices of its stages that hold those
+layers, waits for them off the engine's thread, and only then scatters them into its own pages (on the
+engine's thread, in order with its steps): a decode step never waits for a transfer.
+
+Per source, the arrays are K of layers [first, end) then V of the same layers (`KVOffer`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxcpp.core.kv_transfer import KVOffer, KVSource, padded_pages, page_bucket
+from jaxcpp.runtime.stage import Stage
+
+
+class KVTransport:
+    """This process's transfer server for KV pages, and its connections to producers' servers."""
+
+    def __init__(self, ip: str, server: Any = None) -> None:
+        """`server`: the process's transfer server when it has one already (a stage process's)."""
+        from jax.experimental import transfer
+
+        self.server = server or transfer.start_transfer_server(jax.local_devices()[0].client, f"{ip}:0",
+                                                               [f"{ip}:0"])
+        self._connections: dict[str, Any] = {}
+        self._lock = threading.Lock()  # pulls come from several threads
+
+    @property
+    def address(self) -> str:
+        return str(self.server.address())
+
+    def offer(self, transfer_id: int, arrays: list[jax.Array], timeout_s: float) -> None:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        self.server.await_pull(transfer_id, arrays, timeout=deadline)
+
+    def pull(self, source: KVSource, transfer_id: int, avals: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+        with self._lock:
+            if source.address not in self._connections:
+                self._connections[source.address] = self.server.connect(source.address)
+            connection = self._connections[source.address]
+        return list(connection.pull(transfer_id, avals))
+
+
+def gather_offer(stages: list[Stage], pages: list[int]) -> list[jax.Array]:
+    """The stages' arrays of `pages` in offer order (K of every layer, then V), dispatched, not awaited."""
+    padded = np.asarray(padded_pages(pages, page_bucket(len(pages))), np.int32)
+    per_stage = [stage.gather_pages(padded) for stage in stages]
+    halves = [len(arrays) // 2 for arrays in per_stage]
+    return ([a for arrays, h in zip(per_stage, halves, strict=True) for a in arrays[:h]]
+            + [a for arrays, h in zip(per_stage, halves, strict=True) for a in arrays[h:]])
+
+
+class PulledPages:
+    """A consumer's pull of one offer: each layer's K and V, arriving on the stage that holds the layer."""
+
+    def __init__(self, transport: KVTransport, stages: list[Stage], offer: KVOffer, transfer_id: int) -> None:
+        self.stages = stages
+        self.num_pages, self.num_pages_padded = offer.num_pages, offer.num_pages_padded
+        self.k: dict[int, jax.Array] = {}
+        self.v: dict[int, jax.Array] = {}
+        for source in offer.sources:
+            layers = range(source.first_layer, source.end_layer)
+            avals = [_layer_aval(stages, layer, offer.num_pages_padded) for layer in layers]
+            arrays = transport.pull(source, transfer_id, avals + avals)
+            self.k.update(zip(layers, arrays[:len(avals)], strict=True))
+            self.v.update(zip(layers, arrays[len(avals):], strict=True))
+        missing = [layer for s in stages for layer in range(*s.layers) if layer not in self.k]
+        if missing:
+            raise ValueError(f"the offer's sources leave layers {missing[:4]} out")
+
+    def wait(self, deadline: float) -> bool:
+        """Block (this thread only) until every array is here, or the deadline (time.monotonic()) passes."""
+        arrays = [*self.k.values(), *self.v.values()]
+        while not all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # jax.Array has it at runtime
+            if time.monotonic() > deadline:
+                return False  # jax cannot cancel a pull: if it ever lands, it is garbage collected
+            time.sleep(0.001)
+        jax.block_until_ready(arrays)  # a failed transfer raises here, in this thread, not in a step
+        return True
+
+    def write_into(self, pages: list[int]) -> None:
+        """Scatter into each stage's `pages` (the consumer's own, as many as the offer's)."""
+        assert len(pages) == self.num_pages, (len(pages), self.num_pages)
+        padded = np.asarray(padded_pages(pages, self.num_pages_padded), np.int32)
+        for stage in self.stages:
+            layers = range(*stage.layers)
+            stage.import_pages([self.k[i] for i in layers] + [self.v[i] for i in layers], padded)
+
+
+def _layer_aval(stages: list[Stage], layer: int, num_pages: int) -> jax.ShapeDtypeStruct:
+    stage = next(s for s in stages if s.layers[0] <= layer < s.layers[1])
+    return stage.pages_aval(num_pages)[0]

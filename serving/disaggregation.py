@@ -1,0 +1,302 @@
+"""Prefill-decode disaggregation over gRPC: a consumer's producers (`jaxcpp.core.kv_transfer` has the flow).
+
+The consumer is the entry for clients (as llm-d's decode-side sidecar and NVIDIA Dynamo's decode workers
+are): it reserves a request's pages first, so it knows which prefix it already holds and asks only for
+the rest, and it streams every token itself, without a proxy hop. For each request it picks the
+least-loaded compatible producer (fewest prefills this consumer has running there), sends it the
+prompt with max_tokens 1 and a `KvTransferRequest`, reads back the first token and the `KvOffer`, and
+pulls the pages through the engine's executor, in a worker thread; the engine writes them into its
+pages before its next step (`LLMEngine._remote_prefills`).
+
+Failures: a producer that cannot be reached, dies during the call or whose pages do not arrive within
+the transfer timeout is skipped for `PRODUCER_DOWN_S` and the request goes to the next producer (nothing
+has been streamed yet, and the seed travels with the request, so the retry samples the same first
+token); with none left the request fails naming each producer's error. A producer whose KV layout
+differs from the consumer's is refused at its first contact, with both sides named, and never used.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from jaxcpp.core.kv_transfer import KVLayout, KVOffer, KVSource, KVTransferRequest, RemoteDone, RemoteJob
+from jaxcpp.core.outputs import ModelInfo, TokenLogprobs
+from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+PRODUCER_DOWN_S = 5.0       # a producer that failed a request is passed over this long, while others are up
+CHECK_TIMEOUT_S = 10.0      # its model info, at first contact
+
+
+def connect_producers(engine: Any, api_key: str | None) -> None:
+    """A kv_consumer engine with --prefill-servers gets its remote prefill; any other engine is left as is."""
+    kv = getattr(engine, "kv", None)
+    servers = engine.config.kv_transfer.prefill_server_list() if kv is not None else []
+    if kv is not None and kv.consumes and servers:
+        engine.attach_remote_prefill(GrpcRemotePrefill(servers, engine.kv_layout, engine.executor,
+                                                       kv.transfer_timeout_s, api_key))
+
+
+# ---- the protocol's messages -------------------------------------------------------------------
+def layout_to_proto(layout: KVLayout) -> pb.KvLayout:
+    return pb.KvLayout(model=layout.model, num_layers=layout.num_layers, page_size=layout.page_size,
+                       kv_cache_dtype=layout.kv_cache_dtype, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim)
+
+
+def layout_from_proto(msg: pb.KvLayout) -> KVLayout:
+    return KVLayout(msg.model, msg.num_layers, msg.page_size, msg.kv_cache_dtype, msg.num_kv_heads, msg.head_dim)
+
+
+def offer_to_proto(offer: KVOffer) -> pb.KvOffer:
+    return pb.KvOffer(sources=[pb.KvSource(address=s.address, first_layer=s.first_layer, end_layer=s.end_layer)
+                               for s in offer.sources],
+                      num_pages=offer.num_pages, num_pages_padded=offer.num_pages_padded)
+
+
+def offer_from_proto(msg: pb.KvOffer) -> KVOffer:
+    return KVOffer(tuple(KVSource(s.address, s.first_layer, s.end_layer) for s in msg.sources), msg.num_pages,
+                   msg.num_pages_padded)
+
+
+def kv_transfer_from_proto(msg: pb.KvTransferRequest, info: ModelInfo, peer: str
+                           ) -> tuple[KVTransferRequest | None, str | None]:
+    """A producer's side of a consumer's request: the ask, or why it is refused (naming both sides)."""
+    if info.kv_role not in ("kv_producer", "kv_both"):
+        return None, (f"kv_transfer: this server is not a kv_producer (its --kv-transfer-config kv_role is "
+                      f"{info.kv_role or 'unset'})")
+    mismatch = info.kv_layout.mismatch(layout_from_proto(msg.layout), "this producer", f"consumer {peer}")
+    if mismatch is not None:
+        return None, f"kv_transfer.layout: {mismatch}"
+    return KVTransferRequest(msg.transfer_id, msg.skip_pages), None
+
+
+def producer_sampling(job: RemoteJob) -> pb.SamplingParameters:
+    """What the producer needs to sample the first token as this engine would: the draw's parameters and
+    seed, the ids min_tokens holds back. Stop strings are the consumer's (it sees the text); requests
+    with penalties or prompt logprobs never come here (their prompt passes the consumer's device)."""
+    p = job.params
+    return pb.SamplingParameters(max_tokens=1, n=1, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                 min_p=p.min_p, seed=job.seed, min_tokens=min(p.min_tokens, 1),
+                                 stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                                 logprobs=p.logprobs)
+
+
+def _token_logprobs(msg: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+# ---- the consumer's side ---------------------------------------------------------------------
+class _Retry(Exception):
+    """This producer failed the request in a way another producer may not: try the next one."""
+
+
+@dataclass
+class _Producer:
+    target: str
+    channel: grpc.Channel
+    stub: pb_grpc.JaxcppServiceStub
+    in_flight: int = 0
+    checked: bool = False
+    refused: str | None = None   # its KV layout differs: never used
+    down_until: float = 0.0
+
+
+@dataclass
+class _Jobs:
+    calls: dict[str, Any] = field(default_factory=dict)   # running Generate calls, by request id
+    cancelled: set[str] = field(default_factory=set)
+
+
+class GrpcRemotePrefill:
+    """`jaxcpp.core.kv_transfer.RemotePrefill` over the producers' gRPC APIs."""
+
+    def __init__(self, targets: list[str], layout: KVLayout, executor: Any, transfer_timeout_s: float,
+                 api_key: str | None = None, max_workers: int = 64) -> None:
+        self._layout = layout
+        self._executor = executor
+        self._timeout_s = transfer_timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._producers = [self._producer(t) for t in expand_targets(targets)]
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="jaxcpp-remote-prefill")
+        self._done: queue.SimpleQueue[RemoteDone] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._jobs = _Jobs()
+        self._transfer_ids = itertools.count(secrets.randbits(62))  # unique per consumer; a restart starts afresh
+        log.info("kv_consumer: %d producer(s): %s", len(self._producers), ", ".join(p.target for p in self._producers))
+
+    @staticmethod
+    def _producer(target: str) -> _Producer:
+        channel = grpc.insecure_channel(target)
+        return _Producer(target, channel, pb_grpc.JaxcppServiceStub(channel))
+
+    # ---- RemotePrefill -------------------------------------------------------------------------
+    def start(self, job: RemoteJob) -> None:
+        self._pool.submit(self._run, job)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._jobs.cancelled.add(request_id)
+            call = self._jobs.calls.get(request_id)
+        if call is not None:
+            call.cancel()  # the producer aborts it and frees its pages
+
+    def done(self, wait_s: float) -> list[RemoteDone]:
+        ended = []
+        try:
+            ended.append(self._done.get(timeout=wait_s) if wait_s > 0 else self._done.get_nowait())
+            while True:
+                ended.append(self._done.get_nowait())
+        except queue.Empty:
+            return ended
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in self._producers:
+            p.channel.close()
+
+    # ---- one job, in a worker thread -------------------------------------------------------------
+    def _run(self, job: RemoteJob) -> None:
+        try:
+            done = self._prefill(job)
+        except Exception as e:  # noqa: BLE001 - a bug here must end the request, not hang it
+            log.exception("remote prefill of %r failed", job.request_id)
+            done = RemoteDone(job.request_id, error=f"remote prefill failed: {e!r}")
+        with self._lock:
+            self._jobs.cancelled.discard(job.request_id)
+        self._done.put(done)
+
+    def _prefill(self, job: RemoteJob) -> RemoteDone:
+        tried: set[str] = set()
+        errors: list[str] = []
+        while (producer := self._pick(tried)) is not None:
+            tried.add(producer.target)
+            try:
+                return self._prefill_on(producer, job)
+            except _Fatal as e:
+                return RemoteDone(job.request_id, error=str(e))
+            except _Retry as e:
+                log.warning("producer %s failed request %r (%s); trying another", producer.target, job.request_id, e)
+                errors.append(f"producer {producer.target}: {e}")
+                producer.down_until = time.monotonic() + PRODUCER_DOWN_S
+            if self._is_cancelled(job.request_id):
+                return RemoteDone(job.request_id, error="aborted")
+        refused = [p.refused for p in self._producers if p.refused is not None]
+        return RemoteDone(job.request_id, error="no producer could prefill it: " + "; ".join(errors + refused))
+
+    def _pick(self, tried: set[str]) -> _Producer | None:
+        """The least-loaded compatible producer not tried yet, preferring those not recently failed."""
+        fresh = [p for p in self._producers if p.target not in tried and p.refused is None]
+        for p in fresh:
+            if not p.checked:
+                self._check(p)
+        fresh = [p for p in fresh if p.refused is None]
+        now = time.monotonic()
+        up = [p for p in fresh if p.down_until <= now] or fresh
+        with self._lock:
+            return min(up, key=lambda p: p.in_flight) if up else None
+
+    def _check(self, producer: _Producer) -> None:
+        """At first contact: is it a producer, with our KV layout? A mismatch is refused for good."""
+        try:
+            info = producer.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self._metadata,
+                                              timeout=CHECK_TIMEOUT_S)
+        except grpc.RpcError as e:
+            producer.down_until = time.monotonic() + PRODUCER_DOWN_S
+            log.warning("producer %s: %s", producer.target, _describe(e))
+            return  # unreachable now: tried like the others, checked on a later contact
+        producer.checked = True
+        if info.kv_role not in ("kv_producer", "kv_both"):
+            producer.refused = (f"producer {producer.target}: not a kv_producer (kv_role "
+                                f"{info.kv_role or 'unset'})")
+        else:
+            mismatch = self._layout.mismatch(layout_from_proto(info.kv_layout), "this consumer",
+                                             f"producer {producer.target}")
+            producer.refused = f"refused at connect: {mismatch}" if mismatch is not None else None
+        if producer.refused is not None:
+            log.error("%s", producer.refused)
+
+    def _prefill_on(self, producer: _Producer, job: RemoteJob) -> RemoteDone:
+        transfer_id = next(self._transfer_ids)
+        request = pb.GenerateRequest(
+            request_id=f"kv-{transfer_id:x}", token_ids=pb.TokenIds(ids=job.prompt_token_ids),
+            sampling=producer_sampling(job),
+            kv_transfer=pb.KvTransferRequest(transfer_id=transfer_id, skip_pages=job.skip_pages,
+                                             layout=layout_to_proto(self._layout)))
+        responses = self._call(producer, job.request_id, request)
+        tokens = [t for r in responses for t in r.token_ids]
+        last = responses[-1] if responses else None
+        if last is None or not last.HasField("kv_offer") or not tokens:
+            raise _Retry("it finished without offering the pages")
+        logprobs = [lp for r in responses for lp in r.logprobs]
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            pulled = self._executor.pull_kv(offer_from_proto(last.kv_offer), transfer_id, deadline)
+        except Exception as e:  # noqa: BLE001 - jax's transfer errors (a closed connection) have no one type
+            raise _Retry(f"pulling its pages failed: {e}") from e
+        if pulled is None:
+            raise _Retry(f"its pages did not arrive within the transfer timeout ({self._timeout_s:g}s)")
+        return RemoteDone(job.request_id, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None, pulled)
+
+    def _call(self, producer: _Producer, request_id: str, request: pb.GenerateRequest) -> list[Any]:
+        with self._lock:
+            if request_id in self._jobs.cancelled:
+                return []
+            call = producer.stub.Generate(request, metadata=self._metadata)
+            self._jobs.calls[request_id] = call
+            producer.in_flight += 1
+        try:
+            return list(call)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise _Fatal(f"producer {producer.target}: {_describe(e)}") from e
+            raise _Retry(_describe(e)) from e
+        finally:
+            with self._lock:
+                self._jobs.calls.pop(request_id, None)
+                producer.in_flight -= 1
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._jobs.cancelled
+
+    @property
+    def producers(self) -> list[str]:
+        return [p.target for p in self._producers]
+
+
+class _Fatal(Exception):
+    """The producer refused the request itself: another would too."""
+
+
+def _describe(e: grpc.RpcError) -> str:
+    return f"{e.code().name}: {e.details()}"
+
+
+def expand_targets(targets: list[str]) -> list[str]:
+    """host:port entries, a host name that resolves to several addresses (a headless Service) counted as
+    that many producers; a name that does not resolve yet is kept (gRPC resolves it when called)."""
+    expanded: list[str] = []
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, ValueError):
+            infos = []
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        expanded += [f"{a}:{port}" if ":" not in a else f"[{a}]:{port}" for a in addresses] if len(addresses) > 1 \
+            else [target]
+    return list(dict.fromkeys(expanded))

@@ -1,0 +1,286 @@
+"""Prefill-decode disaggregation on CPU processes over loopback: a producer (PP 2 stage processes, dynamic
+chunking on) prefills, a consumer (the clients' entry) pulls the KV pages from the producer's stage
+processes over jax's transfer servers and decodes. Every token must be the one a colocated engine picks,
+and after every test each instance's pages are all free again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from jaxcpp import LLM, SamplingParams
+from jaxcpp.config import ServerConfig
+from jaxcpp.head.mp_executor import free_port
+from jaxcpp.serving import Client, ClientError
+from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
+from jaxcpp.serving.server import ServerThread
+from tests.pipeline.conftest import ENGINE_DEFAULTS, write_random_model
+
+pytestmark = pytest.mark.slow
+
+PRODUCER = '{"kv_role": "kv_producer", "kv_connector_extra_config": {"transfer_timeout_s": 3}}'
+CONSUMER = '{"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": 2}}'
+# chunked prefill: prompts up to 150 tokens with a 64-token budget
+PROMPTS = [[(7 * i + 3 * j) % 120 + 2 for j in range(n)] for i, n in enumerate([5, 40, 150, 17, 90, 64])]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_random_model(tmp_path_factory.mktemp("disagg_model"))
+
+
+@pytest.fixture(scope="module")
+def producer(model: str) -> Iterator[ServerThread]:
+    llm = LLM(model=model, **ENGINE_DEFAULTS, pipeline_parallel_size=2, distributed_executor_backend="mp",
+              enable_dynamic_chunking=True, dynamic_chunking_min_chunk_size=16, kv_transfer_config=PRODUCER)
+    server = ServerThread(llm.engine, ServerConfig(port=0, http_port=0)).start()
+    yield server
+    server.stop(grace=0)
+
+
+def consumer_server(model: str, prefill_servers: str, **kwargs: Any) -> ServerThread:
+    llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs}, kv_transfer_config=CONSUMER,
+              prefill_servers=prefill_servers)
+    return ServerThread(llm.engine, ServerConfig(port=0, http_port=0)).start()
+
+
+@pytest.fixture(scope="module")
+def consumer(model: str, producer: ServerThread) -> Iterator[ServerThread]:
+    server = consumer_server(model, f"127.0.0.1:{producer.port}")
+    yield server
+    server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def colocated(model: str) -> LLM:
+    return LLM(model=model, **ENGINE_DEFAULTS)
+
+
+@pytest.fixture
+def client(consumer: ServerThread, producer: ServerThread) -> Iterator[Client]:
+    with Client(f"127.0.0.1:{consumer.port}", timeout=60) as c:
+        yield c
+    assert_no_pages_held(consumer, producer)
+
+
+def engine(server: ServerThread) -> Any:
+    return server.server.engine_loop.engine
+
+
+def assert_no_pages_held(*servers: ServerThread) -> None:
+    """Nothing leaks: every page of every instance is free (or only cached) once the requests are done."""
+    for server in servers:
+        deadline = time.monotonic() + 10
+        while (stats := engine(server).stats()).num_pages_used and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.num_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0, stats
+
+
+def colocated_tokens(llm: LLM, prompts: list[list[int]], **sampling: Any) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, temperature=0, **sampling)
+    return [out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def raw_stream(client: Client, prompt: list[int], **sampling: Any) -> list[pb.GenerateResponse]:
+    """Every sampling field the server takes (the client's helpers take the common ones)."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(**sampling))
+    return list(client._stub.Generate(request, timeout=60))
+
+
+def pulls(consumer: ServerThread) -> list[Any]:
+    """Spy on the consumer's pulls: every offer it pulls is recorded."""
+    executor = engine(consumer).executor
+    seen: list[Any] = []
+    real = executor.pull_kv
+
+    def spy(offer: Any, transfer_id: int, deadline: float) -> Any:
+        seen.append(offer)
+        return real(offer, transfer_id, deadline)
+
+    executor.pull_kv = spy
+    return seen
+
+
+def test_greedy_tokens_match_a_colocated_engine(client, consumer, producer, colocated):
+    want = colocated_tokens(colocated, PROMPTS)
+    offers = pulls(consumer)
+    got = [client.generate(p, max_tokens=12, temperature=0).token_ids for p in PROMPTS]
+    assert got == want
+    # every prompt was prefilled by the producer's two stage processes, each offering its own layers
+    assert len(offers) == len(PROMPTS)
+    assert all([(s.first_layer, s.end_layer) for s in o.sources] == [(0, 3), (3, 6)] for o in offers)
+    assert [o.num_pages for o in offers] == [-(-len(p) // 16) for p in PROMPTS]
+    assert engine(producer).chunking.stats()["state"] != "off", "dynamic chunking runs on the producer"
+    assert engine(consumer).chunking is None, "and never on the consumer"
+    assert engine(consumer).stats().num_prompt_tokens_total == 0, "the consumer prefilled nothing itself"
+    del engine(consumer).executor.pull_kv
+
+
+def test_concurrent_requests(client, colocated):
+    want = colocated_tokens(colocated, PROMPTS)
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = client.generate(PROMPTS[i], max_tokens=12, temperature=0).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got.get(i) for i in range(len(PROMPTS))] == want
+
+
+def test_seeded_sampling_and_logprobs_match(client, colocated):
+    """The seed travels with the request: the producer samples the first token as the consumer would."""
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=5, logprobs=2)
+    [want] = colocated.generate(prompt_token_ids=[prompt], sampling_params=params)
+    responses = raw_stream(client, prompt, max_tokens=12, temperature=0.9, top_k=20, seed=5, logprobs=2)
+    assert [t for r in responses for t in r.token_ids] == want.token_ids
+    got_logprobs = [lp for r in responses for lp in r.logprobs]
+    assert [lp.token_id for lp in got_logprobs] == want.token_ids
+    assert [round(lp.logprob, 4) for lp in got_logprobs] == [round(lp.logprob, 4) for lp in want.logprobs]
+
+
+def test_shared_prefix_pulls_only_the_rest(client, consumer, colocated):
+    prefix = [(5 * j) % 100 + 3 for j in range(128)]
+    prompts = [prefix + [7, 8, 9], prefix + [11, 12]]
+    want = colocated_tokens(colocated, prompts)
+    offers = pulls(consumer)
+    first = client.generate(prompts[0], max_tokens=12, temperature=0)
+    second = client.generate(prompts[1], max_tokens=12, temperature=0)
+    del engine(consumer).executor.pull_kv
+    assert [first.token_ids, second.token_ids] == want
+    assert second.num_cached_tokens == 128, "the consumer's own prefix cache gave the shared 8 pages"
+    assert [o.num_pages for o in offers] == [9, 1], "so the second pull carried only the last page"
+
+
+def test_a_request_with_penalties_is_prefilled_on_the_consumer(client, consumer, colocated):
+    """Penalties count every prompt token on the device that samples: that prompt stays where it decodes."""
+    want = colocated_tokens(colocated, PROMPTS[:2], repetition_penalty=1.3)
+    before = engine(consumer).stats().num_prompt_tokens_total
+    got = [[t for r in raw_stream(client, p, max_tokens=12, temperature=0, repetition_penalty=1.3) for t in r.token_ids]
+           for p in PROMPTS[:2]]
+    assert got == want
+    assert engine(consumer).stats().num_prompt_tokens_total - before == len(PROMPTS[0]) + len(PROMPTS[1])
+
+
+def test_abort_during_transfer_frees_both_sides(client, consumer, producer):
+    """The client goes away while the consumer pulls: its pages come back on both sides, the pull is
+    dropped (never written), and the next request is served."""
+    executor = engine(consumer).executor
+    pulling, release = threading.Event(), threading.Event()
+    real = executor.pull_kv
+
+    def held(offer: Any, transfer_id: int, deadline: float) -> Any:
+        pulling.set()
+        release.wait(10)
+        return real(offer, transfer_id, deadline)
+
+    executor.pull_kv = held
+    try:
+        call = client._stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[2]),
+                                                        sampling=pb.SamplingParameters(max_tokens=8)))
+        assert pulling.wait(30)
+        assert engine(consumer).stats().num_pages_used == 10, "its prompt's pages were reserved"
+        call.cancel()
+        assert_no_pages_held(consumer, producer)
+    finally:
+        release.set()
+        del executor.pull_kv
+    assert client.generate(PROMPTS[0], max_tokens=4, temperature=0).token_ids
+
+
+def test_an_offer_no_one_pulls_times_out_on_both_sides(client, consumer, producer):
+    """The consumer pulls too late (past the producer's 3 s): the producer has dropped its offer, the
+    consumer's wait ends at its own 2 s, its pages are freed and the request fails naming why."""
+    executor = engine(consumer).executor
+    real = executor.pull_kv
+
+    def late(offer: Any, transfer_id: int, deadline: float) -> Any:
+        time.sleep(3.5)
+        return real(offer, transfer_id, deadline)
+
+    executor.pull_kv = late
+    try:
+        with pytest.raises(ClientError) as err:
+            client.generate(PROMPTS[1], max_tokens=8, temperature=0)
+    finally:
+        del executor.pull_kv
+    assert "did not arrive within the transfer timeout (2s)" in err.value.message
+    assert f"127.0.0.1:{producer.port}" in err.value.message
+
+
+def test_mismatched_consumer_is_refused_naming_both_sides(model, producer):
+    consumer = consumer_server(model, f"127.0.0.1:{producer.port}", page_size=32)
+    try:
+        with Client(f"127.0.0.1:{consumer.port}", timeout=60) as c:
+            with pytest.raises(ClientError) as err:
+                c.generate(PROMPTS[1], max_tokens=4)
+        message = err.value.message
+        assert "page_size 32 (this consumer) vs 16 (producer 127.0.0.1:" in message, message
+        assert_no_pages_held(consumer, producer)
+    finally:
+        consumer.stop(grace=0)
+    # and the producer refuses such a request itself, naming both sides
+    with Client(f"127.0.0.1:{producer.port}") as c:
+        stub = pb_grpc.JaxcppServiceStub(c.channel)
+        layout = pb.KvLayout(model="other", num_layers=6, page_size=16, kv_cache_dtype="float32", num_kv_heads=2,
+                             head_dim=16)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParameters(max_tokens=1),
+                                     kv_transfer=pb.KvTransferRequest(transfer_id=1, layout=layout))
+        with pytest.raises(Exception) as refused:
+            list(stub.Generate(request))
+    assert refused.value.code().name == "FAILED_PRECONDITION"
+    assert "model" in refused.value.details() and "(this producer)" in refused.value.details()
+
+
+def test_a_killed_producer_is_passed_over_for_another(model, producer, colocated, tmp_path, caplog):
+    """Two producers; the first in the list (so the first choice) is a `jaxcpp serve` process, SIGKILLed:
+    the consumer's request goes to the other, with the same tokens, and nothing leaks."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", model, "--port", str(port), "--no-enable-http",
+         "--kv-transfer-config", PRODUCER, *engine_flags()],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "producer.log", "wb"))
+    consumer = consumer_server(model, f"127.0.0.1:{port},127.0.0.1:{producer.port}")
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            c.wait_ready(120)
+        with Client(f"127.0.0.1:{consumer.port}", timeout=60) as c:
+            offers = pulls(consumer)
+            assert c.generate(PROMPTS[0], max_tokens=4, temperature=0).token_ids
+            assert {s.address for s in offers[-1].sources}.isdisjoint(producer_sources(producer)), \
+                "the first request went to the subprocess producer"
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            want = colocated_tokens(colocated, PROMPTS[:3])
+            assert [c.generate(p, max_tokens=12, temperature=0).token_ids for p in PROMPTS[:3]] == want
+            assert all(set(s.address for s in o.sources) == producer_sources(producer) for o in offers[1:])
+        retried = [r.getMessage() for r in caplog.records if "trying another" in r.getMessage()]
+        assert retried and f"producer 127.0.0.1:{port} failed request" in retried[0], retried
+        assert_no_pages_held(consumer, producer)
+    finally:
+        proc.kill()
+        consumer.stop(grace=0)
+
+
+def producer_sources(producer: ServerThread) -> set[str]:
+    return {ln.transfer for ln in engine(producer).executor.links}
+
+
+def engine_flags() -> list[str]:
+    flags = []
+    for name, value in ENGINE_DEFAULTS.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
