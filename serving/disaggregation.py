@@ -236,7 +236,9 @@ class GrpcRemotePrefill:
             sampling=producer_sampling(job),
             kv_transfer=pb.KvTransferRequest(transfer_id=transfer_id, skip_pages=job.skip_pages,
                                              layout=layout_to_proto(self._layout)))
+        started = time.perf_counter()
         responses = self._call(producer, job.request_id, request)
+        offered = time.perf_counter()
         tokens = [t for r in responses for t in r.token_ids]
         last = responses[-1] if responses else None
         if last is None or not last.HasField("kv_offer") or not tokens:
@@ -249,7 +251,9 @@ class GrpcRemotePrefill:
             raise _Retry(f"pulling its pages failed: {e}") from e
         if pulled is None:
             raise _Retry(f"its pages did not arrive within the transfer timeout ({self._timeout_s:g}s)")
-        return RemoteDone(job.request_id, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None, pulled)
+        return RemoteDone(job.request_id, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None, pulled,
+                          prefill_s=offered - started, transfer_s=time.perf_counter() - offered,
+                          transfer_bytes=pulled.nbytes)
 
     def _call(self, producer: _Producer, request_id: str, request: pb.GenerateRequest) -> list[Any]:
         with self._lock:

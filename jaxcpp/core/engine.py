@@ -32,7 +32,7 @@ from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
 from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
-from jaxcpp.core.kv_transfer import KVLayout, KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill
+from jaxcpp.core.kv_transfer import KVLayout, KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
@@ -87,6 +87,7 @@ class LLMEngine:
         self.kv_layout = KVLayout.of(self.sizing)
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._remote_skip: dict[str, int] = {}    # a consumer's requests with a job running: pages they had
+        self._transfers = TransferCounts()
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
@@ -217,6 +218,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "error", now)
             return [dataclasses.replace(self._output(seq, []), error=done.error)]
         self.executor.import_kv(done.pulled, seq.pages[skip:])  # type: ignore[attr-defined]
+        self._transfers.add(done, len(seq.prompt_token_ids) - skip * self.sizing.page_size)
         if done.logprobs is not None and seq.params.logprobs is not None:
             seq.logprobs.append(done.logprobs)
         self.scheduler.admit_remote(seq, done.first_token, now)
@@ -350,7 +352,11 @@ class LLMEngine:
             num_prefix_cache_queried_tokens_total=self.scheduler.prefix_queried_tokens,
             num_prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             num_pages_cached=self.allocator.num_cached,
-            num_prefix_cache_evictions_total=self.allocator.num_evictions)
+            num_prefix_cache_evictions_total=self.allocator.num_evictions,
+            num_kv_transfers_total=self._transfers.transfers, num_kv_transfer_bytes_total=self._transfers.bytes,
+            num_kv_transfer_tokens_total=self._transfers.tokens,
+            num_kv_transfer_microseconds_total=self._transfers.microseconds,
+            num_remote_prefill_microseconds_total=self._transfers.prefill_microseconds)
 
     def model_info(self) -> ModelInfo:
         c, m = self.config, self.sizing.spec.config

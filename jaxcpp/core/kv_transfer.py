@@ -123,6 +123,27 @@ class RemoteDone:
     logprobs: TokenLogprobs | None = None
     pulled: Any = None        # the executor's pull (`pull_kv`), for `import_kv`
     error: str | None = None
+    prefill_s: float = 0.0    # the producer's call: queue, prefill, first token
+    transfer_s: float = 0.0   # from its offer to the pages' arrival
+    transfer_bytes: int = 0
+
+
+@dataclass
+class TransferCounts:
+    """A consumer's totals of what `RemoteDone`s brought (EngineStats' num_kv_transfer* counts)."""
+
+    transfers: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    microseconds: int = 0
+    prefill_microseconds: int = 0
+
+    def add(self, done: RemoteDone, tokens: int) -> None:
+        self.transfers += 1
+        self.bytes += done.transfer_bytes
+        self.tokens += tokens
+        self.microseconds += round(done.transfer_s * 1e6)
+        self.prefill_microseconds += round(done.prefill_s * 1e6)
 
 
 class RemotePrefill(Protocol):

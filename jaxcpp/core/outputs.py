@@ -96,6 +96,14 @@ class EngineStats:
     num_pages_cached: int = _count("jaxcpp_kv_cache_pages_cached", "KV-cache pages holding a cached prefix "
                                    "nobody holds (evictable; counted as free)", 0)
     num_prefix_cache_evictions_total: int = _count("jaxcpp_prefix_cache_evictions", "cached KV pages evicted", 0)
+    # Disaggregation, a consumer's side: what it pulled from producers, and how long that took.
+    num_kv_transfers_total: int = _count("jaxcpp_kv_transfers", "prompts whose KV pages were pulled from a producer", 0)
+    num_kv_transfer_bytes_total: int = _count("jaxcpp_kv_transfer_bytes", "bytes of KV pages pulled", 0)
+    num_kv_transfer_tokens_total: int = _count("jaxcpp_kv_transfer_tokens", "prompt tokens whose KV was pulled", 0)
+    num_kv_transfer_microseconds_total: int = _count("jaxcpp_kv_transfer_microseconds",
+                                                     "time from a producer's offer to the pages' arrival", 0)
+    num_remote_prefill_microseconds_total: int = _count("jaxcpp_remote_prefill_microseconds",
+                                                        "time of the producers' prefill calls", 0)
 
     @staticmethod
     def count_fields() -> tuple[Field[Any], ...]:

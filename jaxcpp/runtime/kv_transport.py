@@ -78,6 +78,10 @@ class PulledPages:
         if missing:
             raise ValueError(f"the offer's sources leave layers {missing[:4]} out")
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in [*self.k.values(), *self.v.values()])
+
     def wait(self, deadline: float) -> bool:
         """Block (this thread only) until every array is here, or the deadline (time.monotonic()) passes."""
         arrays = [*self.k.values(), *self.v.values()]

@@ -239,7 +239,7 @@ class DynamicChunkingStats(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetServerStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_pages_used", "num_pages_free", "num_pages_total", "num_compilations_since_warmup", "num_prompt_tokens_total", "num_generation_tokens_total", "num_preemptions_total", "num_in_flight", "max_queue_size", "dynamic_chunking", "uptime_s", "num_prefix_cache_queried_tokens_total", "num_prefix_cache_hit_tokens_total", "num_pages_cached", "num_prefix_cache_evictions_total")
+    __slots__ = ("num_running", "num_waiting", "num_pages_used", "num_pages_free", "num_pages_total", "num_compilations_since_warmup", "num_prompt_tokens_total", "num_generation_tokens_total", "num_preemptions_total", "num_in_flight", "max_queue_size", "dynamic_chunking", "uptime_s", "num_prefix_cache_queried_tokens_total", "num_prefix_cache_hit_tokens_total", "num_pages_cached", "num_prefix_cache_evictions_total", "num_kv_transfers_total", "num_kv_transfer_bytes_total", "num_kv_transfer_tokens_total", "num_kv_transfer_microseconds_total", "num_remote_prefill_microseconds_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,11 @@ class GetServerStatsResponse(_message.Message):
     NUM_PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_CACHE_EVICTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFER_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFER_MICROSECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOTE_PREFILL_MICROSECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_pages_used: int
@@ -274,4 +279,9 @@ class GetServerStatsResponse(_message.Message):
     num_prefix_cache_hit_tokens_total: int
     num_pages_cached: int
     num_prefix_cache_evictions_total: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pages_used: _Optional[int] = ..., num_pages_free: _Optional[int] = ..., num_pages_total: _Optional[int] = ..., num_compilations_since_warmup: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., dynamic_chunking: _Optional[_Union[DynamicChunkingStats, _Mapping]] = ..., uptime_s: _Optional[float] = ..., num_prefix_cache_queried_tokens_total: _Optional[int] = ..., num_prefix_cache_hit_tokens_total: _Optional[int] = ..., num_pages_cached: _Optional[int] = ..., num_prefix_cache_evictions_total: _Optional[int] = ...) -> None: ...
+    num_kv_transfers_total: int
+    num_kv_transfer_bytes_total: int
+    num_kv_transfer_tokens_total: int
+    num_kv_transfer_microseconds_total: int
+    num_remote_prefill_microseconds_total: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pages_used: _Optional[int] = ..., num_pages_free: _Optional[int] = ..., num_pages_total: _Optional[int] = ..., num_compilations_since_warmup: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., dynamic_chunking: _Optional[_Union[DynamicChunkingStats, _Mapping]] = ..., uptime_s: _Optional[float] = ..., num_prefix_cache_queried_tokens_total: _Optional[int] = ..., num_prefix_cache_hit_tokens_total: _Optional[int] = ..., num_pages_cached: _Optional[int] = ..., num_prefix_cache_evictions_total: _Optional[int] = ..., num_kv_transfers_total: _Optional[int] = ..., num_kv_transfer_bytes_total: _Optional[int] = ..., num_kv_transfer_tokens_total: _Optional[int] = ..., num_kv_transfer_microseconds_total: _Optional[int] = ..., num_remote_prefill_microseconds_total: _Optional[int] = ...) -> None: ...

@@ -18,6 +18,7 @@ import pytest
 
 from jaxcpp import LLM, SamplingParams
 from jaxcpp.config import ServerConfig
+from jaxcpp.core.kv_transfer import page_bucket
 from jaxcpp.head.mp_executor import free_port
 from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
@@ -113,8 +114,15 @@ def pulls(consumer: ServerThread) -> list[Any]:
 def test_greedy_tokens_match_a_colocated_engine(client, consumer, producer, colocated):
     want = colocated_tokens(colocated, PROMPTS)
     offers = pulls(consumer)
+    before = engine(consumer).stats()
     got = [client.generate(p, max_tokens=12, temperature=0).token_ids for p in PROMPTS]
     assert got == want
+    after = engine(consumer).stats()
+    page_bytes = 2 * 6 * 16 * 2 * 16 * 4  # K and V, 6 layers, 16 tokens, 2 KV heads of 16, float32
+    assert after.num_kv_transfers_total - before.num_kv_transfers_total == len(PROMPTS)
+    assert after.num_kv_transfer_bytes_total - before.num_kv_transfer_bytes_total == page_bytes * sum(
+        page_bucket(-(-len(p) // 16)) for p in PROMPTS)
+    assert after.num_kv_transfer_tokens_total - before.num_kv_transfer_tokens_total == sum(map(len, PROMPTS))
     # every prompt was prefilled by the producer's two stage processes, each offering its own layers
     assert len(offers) == len(PROMPTS)
     assert all([(s.first_layer, s.end_layer) for s in o.sources] == [(0, 3), (3, 6)] for o in offers)

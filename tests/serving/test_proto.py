@@ -68,6 +68,6 @@ def test_the_stats_message_has_every_engine_count() -> None:
 
     fields = pb.GetServerStatsResponse.DESCRIPTOR.fields_by_name
     counts = [f.name for f in EngineStats.count_fields()]
-    assert len(counts) == 13 and all(name in fields for name in counts), set(counts) - set(fields)
-    stats = EngineStats(*range(9), {}, *range(9, 13))
+    assert len(counts) == 18 and all(name in fields for name in counts), set(counts) - set(fields)
+    stats = EngineStats(*range(9), {}, *range(9, 18))
     assert EngineStats.from_counts(pb.GetServerStatsResponse(**stats.counts()), {}) == stats
