@@ -201,6 +201,17 @@ def test_service_reaches_the_head_and_the_pdb_covers_the_pods(path: Path) -> Non
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_no_service_takes_the_name_of_a_leaderworkerset(path: Path) -> None:
+    """LeaderWorkerSet creates a headless Service named after the set (it gives the pods the DNS names
+    LWS_LEADER_ADDRESS is one of) only when no Service of that name exists: ours, applied first, would
+    leave the leader's name unresolved; applied second, it would be merged into the set's."""
+    docs = load_manifest(path)
+    sets = {d["metadata"]["name"] for d in docs if d["kind"] == LWS_KIND}
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert not sets & services
+
+
 @pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
 def test_gpus_match_the_parallel_layout(template: PodTemplate) -> None:
     container = _container(template)
