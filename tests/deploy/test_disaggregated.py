@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from jaxcpp.cli_args import engine_config_from_args, server_config_from_args
-from jaxcpp.config import EngineConfig, ServerConfig
+from jaxcpp.config import EngineConfig, KVSettings, ServerConfig
 from tests.deploy.conftest import (
     LWS_ENV,
     LWS_KIND,
@@ -76,6 +77,18 @@ def _server(template: PodTemplate) -> ServerConfig:
     return server_config_from_args(_serve_parser().parse_args(_args(template)))
 
 
+def _kv(template: PodTemplate) -> KVSettings:
+    settings = _engine(template).kv_transfer.settings()
+    assert settings is not None, f"{template.id}: no --kv-transfer-config"
+    return settings
+
+
+def _flag(template: PodTemplate, flag: str) -> str:
+    value = flag_value(_args(template), flag)
+    assert value is not None, f"{template.id}: no {flag}"
+    return value
+
+
 def _labels(template: PodTemplate) -> dict[str, str]:
     return template.template["metadata"]["labels"]
 
@@ -94,8 +107,8 @@ def test_both_vendors_have_one() -> None:
 @pytest.mark.parametrize("roles", ROLES)
 def test_producers_produce_and_consumers_consume(roles: Roles) -> None:
     for producer in roles.producers:
-        assert _engine(producer).kv_transfer.settings().role == "kv_producer", producer.id
-    assert _engine(roles.consumer).kv_transfer.settings().role == "kv_consumer"
+        assert _kv(producer).role == "kv_producer", producer.id
+    assert _kv(roles.consumer).role == "kv_consumer"
 
 
 @pytest.mark.parametrize("roles", ROLES)
@@ -121,7 +134,7 @@ def prefill_server_problems(roles: Roles) -> list[str]:
     """Why the consumer's --prefill-servers would not list every ready producer (empty: it does)."""
     namespace = roles.consumer.owner["metadata"]["namespace"]
     services = {d["metadata"]["name"]: d for d in roles.docs if d["kind"] == "Service"}
-    leader_port = int(flag_value(_args(roles.leader), "--port"))
+    leader_port = int(_flag(roles.leader, "--port"))
     named_ports = {p["name"]: p["containerPort"] for p in _container(roles.leader)["ports"]}
     servers = _engine(roles.consumer).kv_transfer.prefill_server_list()
     problems = [] if len(servers) == 1 else [f"expected the one Service, got {servers}"]
@@ -155,7 +168,7 @@ def test_prefill_servers_name_the_producers_headless_service(roles: Roles) -> No
     assert prefill_server_problems(roles) == []
 
 
-def _with_consumer_arg(flag: str, value: str):
+def _with_consumer_arg(flag: str, value: str) -> Callable[[list[dict[str, Any]]], None]:
     def mutate(docs: list[dict[str, Any]]) -> None:
         [deployment] = [d for d in docs if d["kind"] == "Deployment"]
         [container] = deployment["spec"]["template"]["spec"]["containers"]
@@ -176,7 +189,7 @@ def _service(docs: list[dict[str, Any]], suffix: str) -> dict[str, Any]:
     lambda docs: _service(docs, "-leaders")["spec"].update(publishNotReadyAddresses=True),
     lambda docs: _service(docs, "-leaders")["spec"]["selector"].pop("app.kubernetes.io/component"),
 ], ids=["lws-own-service", "wrong-port", "other-namespace", "not-headless", "not-ready-listed", "selects-workers"])
-def test_a_wrong_prefill_servers_is_caught(mutate) -> None:
+def test_a_wrong_prefill_servers_is_caught(mutate: Callable[[list[dict[str, Any]]], Any]) -> None:
     path = next(p for p in DISAGGREGATED if p.name.startswith("rocm"))
     docs = copy.deepcopy(load_manifest(path))
     mutate(docs)
@@ -189,7 +202,7 @@ def test_transfer_servers_bind_the_pod_ip(roles: Roles, monkeypatch: pytest.Monk
     (the same args run on every pod of a group, so no one kv_ip could be right for all of them)."""
     secret = {("jaxcpp-control-key", "key"): "00" * 32}
     for template in roles.templates:
-        given = json.loads(flag_value(_container(template)["args"], "--kv-transfer-config"))
+        given = json.loads(_flag(template, "--kv-transfer-config"))
         assert "kv_ip" not in given, template.id
         lws = LWS_ENV if template.owner["kind"] == LWS_KIND else {}
         env = container_env(_container(template), {**lws, "status.podIP": POD_IP}, secret)
@@ -197,9 +210,9 @@ def test_transfer_servers_bind_the_pod_ip(roles: Roles, monkeypatch: pytest.Monk
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            assert _engine(template).kv_transfer.settings().ip == POD_IP, template.id
+            assert _kv(template).ip == POD_IP, template.id
             patch.delenv("POD_IP")
-            assert _engine(template).kv_transfer.settings().ip == "127.0.0.1", "the test reads the env it set"
+            assert _kv(template).ip == "127.0.0.1", "the test reads the env it set"
 
 
 @pytest.mark.parametrize("roles", ROLES)
@@ -244,7 +257,7 @@ def test_network_policies_let_the_roles_reach_each_other_on_any_port(roles: Role
     """The consumers call the producers' gRPC and pull pages from every stage's transfer server; the
     transfers' ports are ephemeral, so the roles must reach each other on all ports, both ways."""
     docs, consumer = roles.docs, _labels(roles.consumer)
-    grpc = int(flag_value(_args(roles.leader), "--port"))
+    grpc = int(_flag(roles.leader, "--port"))
     for producer in (_labels(t) for t in roles.producers):
         assert ingress_allowed(docs, producer, consumer, grpc)
         for port in EPHEMERAL_PORTS:
@@ -258,14 +271,14 @@ def test_network_policies_let_the_roles_reach_each_other_on_any_port(roles: Role
 def test_network_policies_keep_everyone_else_to_the_api_and_metrics(roles: Roles) -> None:
     docs, consumer = roles.docs, _labels(roles.consumer)
     server = _server(roles.consumer)
-    metrics = int(flag_value(_args(roles.consumer), "--metrics-port"))
+    metrics = int(_flag(roles.consumer, "--metrics-port"))
     other_app = {"app.kubernetes.io/name": "jaxcpp", "app.kubernetes.io/instance": "jaxcpp-rocm"}  # single node
     for source in (OUTSIDE, other_app):
         for port in (server.port, server.http_port, metrics):
             assert ingress_allowed(docs, consumer, source, port)
         for producer in (_labels(t) for t in roles.producers):
             assert ingress_allowed(docs, producer, source, metrics)
-            assert not ingress_allowed(docs, producer, source, int(flag_value(_args(roles.leader), "--port")))
+            assert not ingress_allowed(docs, producer, source, int(_flag(roles.leader, "--port")))
             assert not any(ingress_allowed(docs, producer, source, p) for p in EPHEMERAL_PORTS)
         assert not any(ingress_allowed(docs, consumer, source, p) for p in EPHEMERAL_PORTS)
 
