@@ -20,6 +20,7 @@ DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 LWS_SCHEMA = DEPLOY / "kubernetes" / "schemas" / "leaderworkerset-v1.openapi.yaml"
 LWS_KIND = "LeaderWorkerSet"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")  # the built-in kinds with one pod template
 
 # The stage-process flags the multi-host manifests add; `jaxcpp serve` has them, and test_flags.py
 # checks them in its parser like every other flag.
@@ -34,6 +35,9 @@ POD_ENV = {**LWS_ENV, "POD_IP": "10.0.3.17"}
 
 def load_manifest(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+LWS_MANIFESTS = [p for p in MANIFESTS if any(d["kind"] == LWS_KIND for d in load_manifest(p))]
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,11 @@ class PodTemplate:
         return [c for c in self.spec["containers"] if c.get("command") == ["jaxcpp", "serve"]]
 
 
-def pod_templates(path: Path) -> list[PodTemplate]:
+def pod_templates(path: Path, docs: list[dict[str, Any]] | None = None) -> list[PodTemplate]:
+    """The manifest's pod templates; `docs` stands for its objects when given (a test's mutated copy)."""
     found = []
-    for doc in load_manifest(path):
-        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+    for doc in load_manifest(path) if docs is None else docs:
+        if doc["kind"] in WORKLOAD_KINDS:
             found.append(PodTemplate(path, doc, "deployment", doc["spec"]["template"]))
         elif doc["kind"] == LWS_KIND:
             lwt = doc["spec"]["leaderWorkerTemplate"]

@@ -23,6 +23,7 @@ from jaxcpp.serving.server import SERVICE_NAME
 from tests.deploy.conftest import (
     LWS_ENV,
     LWS_KIND,
+    LWS_MANIFESTS,
     LWS_SCHEMA,
     MANIFESTS,
     PodTemplate,
@@ -90,10 +91,30 @@ def _target(path: Path) -> str:
     return path.name.split("-")[0]
 
 
+def _manifest(name: str) -> Path:
+    [path] = [p for p in MANIFESTS if p.name == name]
+    return path
+
+
+def _labels(template: PodTemplate) -> dict[str, str]:
+    return template.template["metadata"]["labels"]
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def _lws_templates(path: Path) -> list[PodTemplate]:
+    """The leader's and the worker's template of the manifest's one LeaderWorkerSet, in that order."""
+    return [t for t in pod_templates(path) if t.owner["kind"] == LWS_KIND]
+
+
 # -- schemas ---------------------------------------------------------------------------------------
-def test_all_four_targets_are_there() -> None:
-    assert [p.name for p in MANIFESTS] == ["cuda-multi-host.yaml", "cuda-single-node.yaml",
-                                           "rocm-multi-host.yaml", "rocm-single-node.yaml"]
+def test_all_six_manifests_are_there() -> None:
+    assert [p.name for p in MANIFESTS] == ["cuda-disaggregated.yaml", "cuda-multi-host.yaml", "cuda-single-node.yaml",
+                                           "rocm-disaggregated.yaml", "rocm-multi-host.yaml", "rocm-single-node.yaml"]
+    assert [p.name for p in LWS_MANIFESTS] == ["cuda-disaggregated.yaml", "cuda-multi-host.yaml",
+                                               "rocm-disaggregated.yaml", "rocm-multi-host.yaml"]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -103,7 +124,7 @@ def test_object_validates_against_its_schema(path: Path, doc: dict[str, Any], ve
 
 
 def test_a_misspelt_field_fails_validation() -> None:
-    deployment = next(d for d in load_manifest(MANIFESTS[1]) if d["kind"] == "Deployment")
+    deployment = next(d for d in load_manifest(_manifest("cuda-single-node.yaml")) if d["kind"] == "Deployment")
     bad = copy.deepcopy(deployment)
     container = bad["spec"]["template"]["spec"]["containers"][0]
     container["readinesProbe"] = container.pop("readinessProbe")
@@ -120,7 +141,7 @@ def test_a_misspelt_field_fails_validation() -> None:
 ], ids=["misspelt-field", "unknown-restart-policy", "size-not-integer", "no-worker-template",
         "bad-pod-template"])
 def test_a_broken_leaderworkerset_fails_validation(mutate) -> None:
-    lws = next(d for d in load_manifest(MANIFESTS[0]) if d["kind"] == LWS_KIND)
+    lws = next(d for d in load_manifest(_manifest("cuda-multi-host.yaml")) if d["kind"] == LWS_KIND)
     bad = copy.deepcopy(lws)
     mutate(bad)
     with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
@@ -184,21 +205,37 @@ def test_prometheus_scrapes_the_metrics_port(template: PodTemplate) -> None:
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
-def test_service_reaches_the_head_and_the_pdb_covers_the_pods(path: Path) -> None:
+def test_services_reach_heads_only_and_one_pdb_covers_each_workload(path: Path) -> None:
     docs = load_manifest(path)
-    [service] = [d for d in docs if d["kind"] == "Service"]
-    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
-    heads = [t for t in pod_templates(path) if t.role != "worker"]
-    for head in heads:
-        labels = head.template["metadata"]["labels"]
-        assert service["spec"]["selector"].items() <= labels.items(), "the Service must select the head"
-        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        ports = {p["name"] for p in _container(head)["ports"]}
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
-    for worker in (t for t in pod_templates(path) if t.role == "worker"):
-        labels = worker.template["metadata"]["labels"]
-        assert not service["spec"]["selector"].items() <= labels.items(), "stages take no client traffic"
-        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    services = [d for d in docs if d["kind"] == "Service"]
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    templates = pod_templates(path)
+    for service in services:
+        selected = [t for t in templates if _selects(service["spec"]["selector"], _labels(t))]
+        assert selected, f"{service['metadata']['name']} selects no pod"
+        assert all(t.role != "worker" for t in selected), "stages take no traffic: a Service selects heads only"
+        for head in selected:
+            ports = {p["name"] for p in _container(head)["ports"]}
+            assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+    for template in templates:
+        if template.role != "worker":
+            assert any(_selects(s["spec"]["selector"], _labels(template)) for s in services), template.id
+        # The eviction API refuses to evict a pod under two budgets; one budget per workload lets a drain
+        # take a pod of each workload at once, never two of one.
+        [pdb] = [p for p in pdbs if _selects(p["spec"]["selector"]["matchLabels"], _labels(template))]
+        others = [t for t in templates if t.owner is not template.owner]
+        assert not any(_selects(pdb["spec"]["selector"]["matchLabels"], _labels(t)) for t in others), template.id
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_no_service_takes_the_name_of_a_leaderworkerset(path: Path) -> None:
+    """LeaderWorkerSet creates a headless Service named after the set (it gives the pods the DNS names
+    LWS_LEADER_ADDRESS is one of) only when no Service of that name exists: ours, applied first, would
+    leave the leader's name unresolved; applied second, it would be merged into the set's."""
+    docs = load_manifest(path)
+    sets = {d["metadata"]["name"] for d in docs if d["kind"] == LWS_KIND}
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert not sets & services
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
@@ -217,12 +254,12 @@ def test_gpus_match_the_parallel_layout(template: PodTemplate) -> None:
     assert platform == _target(template.manifest)
 
 
-@pytest.mark.parametrize("path", [p for p in MANIFESTS if "multi-host" in p.name], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LWS_MANIFESTS, ids=lambda p: p.name)
 def test_leaderworkerset_group_is_the_pipeline(path: Path) -> None:
     [lws] = [d for d in load_manifest(path) if d["kind"] == LWS_KIND]
     lwt = lws["spec"]["leaderWorkerTemplate"]
     assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
-    leader, worker = (_container(t) for t in pod_templates(path))
+    leader, worker = (_container(t) for t in _lws_templates(path))
     assert leader["args"] == worker["args"], "the same command on every host; --process-id picks the role"
     assert lwt["size"] == int(flag_value(leader["args"], "--pipeline-parallel-size")), "one stage per pod"
     assert re.fullmatch(r"\$\(LWS_LEADER_ADDRESS\):\d+", flag_value(leader["args"], "--coordinator-address"))
@@ -232,7 +269,7 @@ def test_leaderworkerset_group_is_the_pipeline(path: Path) -> None:
     assert {"name": "coordinator", "containerPort": coordinator_port} in leader["ports"]
 
 
-@pytest.mark.parametrize("path", [p for p in MANIFESTS if "multi-host" in p.name], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LWS_MANIFESTS, ids=lambda p: p.name)
 def test_leaderworkerset_pods_get_the_addresses_of_the_two_host_test(path: Path, monkeypatch) -> None:
     """Expanded as Kubernetes does in a group whose leader pod has the two-host test's head address and
     whose worker pod has its stage address (tests/pipeline/test_multi_host.py), the flags and env give
@@ -241,7 +278,8 @@ def test_leaderworkerset_pods_get_the_addresses_of_the_two_host_test(path: Path,
     leader_name = LWS_ENV["LWS_LEADER_ADDRESS"]  # LWS's headless-Service name: it resolves to the leader's pod IP
     secret = {("jaxcpp-control-key", "key"): secrets.token_hex(32)}
     keys = []
-    for process_id, template, pod_ip in ((0, pod_templates(path)[0], HEAD_IP), (1, pod_templates(path)[1], STAGE_IP)):
+    leader, worker = _lws_templates(path)
+    for process_id, template, pod_ip in ((0, leader, HEAD_IP), (1, worker, STAGE_IP)):
         container = _container(template)
         pod = {**LWS_ENV, "LWS_WORKER_INDEX": str(process_id), "status.podIP": pod_ip}
         env = container_env(container, pod, secret)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.conftest import DOCKERFILES, LWS_KIND, MANIFESTS, load_manifest
+from tests.deploy.conftest import DOCKERFILES, LWS_KIND, LWS_MANIFESTS, MANIFESTS, WORKLOAD_KINDS, load_manifest
 
 CHECKOV = "checkov==3.3.30"
 TOOL_VENV = Path(sys.prefix) / "tools" / "checkov"
@@ -93,16 +93,19 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, list[d
     return per_file
 
 
-SCANNED = [p.name for p in MANIFESTS] + [f"{p.stem}.lws-templates.yaml" for p in MANIFESTS
-                                         if "multi-host" in p.name] + [p.name for p in DOCKERFILES]
+SCANNED = ([p.name for p in MANIFESTS] + [f"{p.stem}.lws-templates.yaml" for p in LWS_MANIFESTS]
+           + [p.name for p in DOCKERFILES])
+# Manifests whose only workload is a LeaderWorkerSet: raw, checkov sees just their Service, PDB and NetworkPolicy.
+WITHOUT_WORKLOAD_CHECKOV_KNOWS = {p.name for p in MANIFESTS
+                                  if not any(d["kind"] in WORKLOAD_KINDS for d in load_manifest(p))}
 INLINE_SKIP = re.compile(r"checkov\.io/skip\d+:\s*(CKV_\w+)=|checkov:skip=(CKV_\w+)")
 
 
 def expected_skips(name: str, text: str) -> set[str]:
-    """The checks the file's inline annotations skip, on the kinds checkov scans: a raw multi-host
-    manifest's live on its LeaderWorkerSet, which checkov reads only through the .lws-templates copy."""
-    if name.endswith("multi-host.yaml"):
-        return set()
+    """The checks the file's inline annotations skip, on the kinds checkov scans: in a raw manifest, those
+    of every object but a LeaderWorkerSet, whose skips checkov reads only through the .lws-templates copy."""
+    if name in {p.name for p in MANIFESTS}:
+        text = yaml.safe_dump_all([d for d in yaml.safe_load_all(text) if d and d["kind"] != LWS_KIND])
     return {a or b for a, b in INLINE_SKIP.findall(text)}
 
 
@@ -110,7 +113,7 @@ def expected_skips(name: str, text: str) -> set[str]:
 @pytest.mark.parametrize("name", SCANNED)
 def test_checkov_passes(scan, name: str) -> None:
     assert scan[name]["passed"], f"checkov scanned nothing in {name}"
-    if not name.endswith("multi-host.yaml"):  # there, checkov sees only the Service, PDB and NetworkPolicy
+    if name not in WITHOUT_WORKLOAD_CHECKOV_KNOWS:
         assert len(scan[name]["passed"]) >= 40, "too few checks ran: is it still a workload checkov knows?"
     failed = [f"{c['check_id']} {c['check_name']} ({c['resource']})" for c in scan[name]["failed"]]
     assert not failed, "\n".join(failed)
