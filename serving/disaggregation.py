@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PRODUCER_DOWN_S = 5.0       # a producer that failed a request is passed over this long, while others are up
 CHECK_TIMEOUT_S = 10.0      # its model info, at first contact
+RESOLVE_EVERY_S = 10.0      # --prefill-servers' names are resolved again this often (pods come and go)
 
 
 def connect_producers(engine: Any, api_key: str | None) -> None:
@@ -130,7 +131,9 @@ class GrpcRemotePrefill:
         self._executor = executor
         self._timeout_s = transfer_timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._targets = targets
         self._producers = [self._producer(t) for t in expand_targets(targets)]
+        self._resolved_at = time.monotonic()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="jaxcpp-remote-prefill")
         self._done: queue.SimpleQueue[RemoteDone] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -165,8 +168,9 @@ class GrpcRemotePrefill:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for p in self._producers:
-            p.channel.close()
+        with self._lock:
+            for p in self._producers:
+                p.channel.close()
 
     # ---- one job, in a worker thread -------------------------------------------------------------
     def _run(self, job: RemoteJob) -> None:
@@ -199,7 +203,9 @@ class GrpcRemotePrefill:
 
     def _pick(self, tried: set[str]) -> _Producer | None:
         """The least-loaded compatible producer not tried yet, preferring those not recently failed."""
-        fresh = [p for p in self._producers if p.target not in tried and p.refused is None]
+        self._resolve_again()
+        with self._lock:
+            fresh = [p for p in self._producers if p.target not in tried and p.refused is None]
         for p in fresh:
             if not p.checked:
                 self._check(p)
@@ -208,6 +214,23 @@ class GrpcRemotePrefill:
         up = [p for p in fresh if p.down_until <= now] or fresh
         with self._lock:
             return min(up, key=lambda p: p.in_flight) if up else None
+
+    def _resolve_again(self) -> None:
+        """Every RESOLVE_EVERY_S, the --prefill-servers names again: producers that came up (or came back
+        with new addresses, as restarted pods do) join, those gone leave once nothing runs there."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._resolved_at < RESOLVE_EVERY_S:
+                return
+            self._resolved_at = now
+        targets = expand_targets(self._targets)
+        with self._lock:
+            known = {p.target: p for p in self._producers}
+            kept = [p for p in self._producers if p.target in targets or p.in_flight]
+            added = [self._producer(t) for t in targets if t not in known]
+            self._producers = kept + added
+        if added or len(kept) < len(known):
+            log.info("kv_consumer: producers now %s", ", ".join(p.target for p in self._producers))
 
     def _check(self, producer: _Producer) -> None:
         """At first contact: is it a producer, with our KV layout? A mismatch is refused for good."""

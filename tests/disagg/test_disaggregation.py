@@ -148,6 +148,24 @@ def test_concurrent_requests(client, colocated):
     assert [got.get(i) for i in range(len(PROMPTS))] == want
 
 
+def test_the_openai_api_on_the_consumer(client, consumer, colocated, model):
+    """The consumer is the entry for both APIs: an OpenAI completion is prefilled remotely too."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{consumer.http_port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    before = engine(consumer).stats().num_kv_transfers_total
+    with urllib.request.urlopen(request, timeout=60) as response:
+        out = json.loads(response.read())
+    assert out["usage"]["completion_tokens"] == 12
+    assert engine(consumer).stats().num_kv_transfers_total == before + 1
+    [want] = colocated_tokens(colocated, [PROMPTS[4]])
+    streamed = client.generate(PROMPTS[4], max_tokens=12, temperature=0).token_ids
+    assert streamed == want
+
+
 def test_seeded_sampling_and_logprobs_match(client, colocated):
     """The seed travels with the request: the producer samples the first token as the consumer would."""
     prompt = PROMPTS[2]
@@ -292,3 +310,26 @@ def engine_flags() -> list[str]:
     for name, value in ENGINE_DEFAULTS.items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def test_a_killed_consumer_ends_its_streams_unavailable(model, producer, tmp_path):
+    """The consumer is the clients' entry: when it dies its streams end UNAVAILABLE, and its producer,
+    whose calls gRPC cancels, holds nothing of its requests afterwards."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", model, "--port", str(port),
+         "--no-enable-http", "--kv-transfer-config", CONSUMER, "--prefill-servers", f"127.0.0.1:{producer.port}",
+         *engine_flags()], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "consumer.log", "wb"))
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=60) as c:
+            c.wait_ready(120)
+            stream = c.stream(PROMPTS[1], max_tokens=200, temperature=0, ignore_eos=True)
+            assert next(stream).token_ids, "its first token came back"
+            os.kill(proc.pid, signal.SIGKILL)
+            with pytest.raises(ClientError) as err:
+                for _ in stream:
+                    pass
+        assert err.value.status.name == "UNAVAILABLE"
+        assert_no_pages_held(producer)
+    finally:
+        proc.kill()
