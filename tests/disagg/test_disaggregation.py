@@ -178,13 +178,17 @@ def test_seeded_sampling_and_logprobs_match(client, colocated):
     assert [round(lp.logprob, 4) for lp in got_logprobs] == [round(lp.logprob, 4) for lp in want.logprobs]
 
 
-def test_shared_prefix_pulls_only_the_rest(client, consumer, colocated):
+def test_shared_prefix_pulls_only_the_rest(client, consumer, producer, colocated):
+    """Prefix caching on both sides: the consumer asks only for the pages it lacks, and the producer
+    prefills from its own cached prefix."""
     prefix = [(5 * j) % 100 + 3 for j in range(128)]
     prompts = [prefix + [7, 8, 9], prefix + [11, 12]]
     want = colocated_tokens(colocated, prompts)
     offers = pulls(consumer)
     first = client.generate(prompts[0], max_tokens=12, temperature=0)
+    hits = engine(producer).stats().num_prefix_cache_hit_tokens_total
     second = client.generate(prompts[1], max_tokens=12, temperature=0)
+    assert engine(producer).stats().num_prefix_cache_hit_tokens_total - hits == 128
     del engine(consumer).executor.pull_kv
     assert [first.token_ids, second.token_ids] == want
     assert second.num_cached_tokens == 128, "the consumer's own prefix cache gave the shared 8 pages"
