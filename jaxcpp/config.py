@@ -438,6 +438,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         kv = self.kv_transfer.settings()
+        # calculated fp8 scales are each instance's own, from its first prefill: pages would cross with the wrong ones
+        _require(kv is None or not self.cache.calculate_kv_scales, "calculate_kv_scales",
+                 "cannot be used with --kv-transfer-config: producer and consumer must share the checkpoint's scales")
         if kv is not None and kv.role == "kv_consumer":
             _require(self.parallel.executor_backend == "inproc", "kv_transfer_config",
                      "a kv_consumer pulls KV pages into the stages of its own process: "

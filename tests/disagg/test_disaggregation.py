@@ -337,3 +337,25 @@ def test_a_killed_consumer_ends_its_streams_unavailable(model, producer, tmp_pat
         assert_no_pages_held(producer)
     finally:
         proc.kill()
+
+
+def test_an_in_process_producer_and_fp8_pages(model):
+    """The other executor on the producer's side (its stages in one process, one transfer server for all
+    its layers), with float8 pages: they cross as they are, and the tokens are the colocated fp8 engine's."""
+    fp8 = dict(kv_cache_dtype="fp8")
+    producer = ServerThread(LLM(model=model, **ENGINE_DEFAULTS, **fp8, pipeline_parallel_size=2,
+                                kv_transfer_config=PRODUCER).engine, ServerConfig(port=0, http_port=0)).start()
+    consumer = consumer_server(model, f"127.0.0.1:{producer.port}", **fp8)
+    try:
+        want = colocated_tokens(LLM(model=model, **ENGINE_DEFAULTS, **fp8), PROMPTS[:4])
+        offers = pulls(consumer)
+        with Client(f"127.0.0.1:{consumer.port}", timeout=60) as c:
+            got = [c.generate(p, max_tokens=12, temperature=0).token_ids for p in PROMPTS[:4]]
+        assert got == want
+        assert [[(s.first_layer, s.end_layer) for s in o.sources] for o in offers] == [[(0, 6)]] * 4
+        assert engine(consumer).stats().num_kv_transfer_bytes_total == 2 * 6 * 16 * 2 * 16 * 1 * sum(
+            page_bucket(-(-len(p) // 16)) for p in PROMPTS[:4]), "one byte a value"
+        assert_no_pages_held(consumer, producer)
+    finally:
+        consumer.stop(grace=0)
+        producer.stop(grace=0)

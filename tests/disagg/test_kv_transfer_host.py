@@ -40,6 +40,8 @@ def test_roles_parse_and_dynamic_chunking_is_refused_on_a_consumer(caplog):
     (dict(kv_transfer_config=CONSUMER), "--prefill-servers: a kv_consumer needs"),
     (dict(prefill_servers="10.0.0.2:50051"), "--prefill-servers: is for a consumer"),
     (dict(kv_transfer_config=CONSUMER, prefill_servers="10.0.0.2"), "--prefill-servers: expected host:port"),
+    (dict(kv_transfer_config='{"kv_role": "kv_producer"}', kv_cache_dtype="fp8", calculate_kv_scales=True),
+     "--calculate-kv-scales: cannot be used with --kv-transfer-config"),
     (dict(kv_transfer_config=CONSUMER, prefill_servers="a:1", pipeline_parallel_size=2,
           distributed_executor_backend="mp"), "--kv-transfer-config: a kv_consumer pulls KV pages"),
 ])
