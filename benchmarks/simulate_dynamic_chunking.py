@@ -1,6 +1,7 @@
 """Simulated TTFT of fixed vs dynamic chunking on a pipeline, next to ATOM's reported gains.
 
     .venv/bin/python benchmarks/simulate_dynamic_chunking.py [--output table.md]
+    .venv/bin/python benchmarks/simulate_dynamic_chunking.py --sweep   # beyond the table (about a minute)
 
 Prompts of 128K and 256K tokens, PP 2, 4 and 8, concurrency 1 and 4 (closed loop: each client sends
 its next prompt once the previous one's answer is done), fixed chunks of 8K/16K/32K against
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.planner import ChunkSettings
-from jaxcpp.tools.simulator import ClosedLoop, FixedPolicy, Pipeline, SimResult, simulate
+from jaxcpp.tools.simulator import ClosedLoop, FixedPolicy, Pipeline, SimRequest, SimResult, poisson_arrivals, simulate
 
 A_PP4 = 2.9e-10
 MODEL_PP4 = LatencyModel(a=A_PP4, b=18500 * A_PP4, c=0.02, gamma=1630 * A_PP4)
@@ -66,17 +67,54 @@ def stage_model(pp: int) -> LatencyModel:
 
 
 def run_case(prompt_len: int, pp: int, concurrency: int) -> Row:
+    workload = ClosedLoop(concurrency, concurrency * REQUESTS_PER_CLIENT, prompt_len, THINK_S)
+    return Row(prompt_len, pp, concurrency, run_policies(pp, workload, ("equal-latency", "optimal")))
+
+
+def run_policies(pp: int, workload: ClosedLoop | list[SimRequest], policies: tuple[str, ...]) -> dict[str, SimResult]:
+    """The fixed chunks and the given dynamic policies on one workload."""
     model = stage_model(pp)
     pipeline = Pipeline(model, pp, hop_s=HOP_S, hop_s_per_token=HOP_S_PER_TOKEN)
-    workload = ClosedLoop(concurrency, concurrency * REQUESTS_PER_CLIENT, prompt_len, THINK_S)
     results = {f"fixed {size // 1024}K": simulate(pipeline, FixedPolicy(size), size, workload)
                for size in FIXED}
-    for policy in ("equal-latency", "optimal"):
+    for policy in policies:
         settings = ChunkSettings(budget=BASE, smooth_factor=0.75, min_chunk_size=4096,
                                  pipeline_parallel_size=pp)
         controller = DynamicChunkController(settings, policy=policy, model=model)
         results[policy] = simulate(pipeline, controller, BASE, workload)
-    return Row(prompt_len, pp, concurrency, results)
+    return results
+
+
+def sweep() -> str:
+    """`optimal` against the best fixed chunk beyond the table: closed loops of 2 / 4 / 8 clients with
+    0 / 3.2 / 10 s between requests and 4 / 8 requests a client, and Poisson streams of 40 prompts at
+    50 / 80 / 95% of the load a fixed 32K chunk sustains (seeds 0, 1); both prompt lengths, PP 2 / 4 / 8."""
+    cases: list[tuple[str, int, ClosedLoop | list[SimRequest]]] = []
+    for n in (131072, 262144):
+        for pp in (2, 4, 8):
+            for clients in (2, 4, 8):
+                for think in (0.0, THINK_S, 10.0):
+                    for per_client in (4, 8):
+                        cases.append((f"{n // 1024}K PP {pp} closed loop {clients} clients, {think} s, "
+                                      f"{per_client} each", pp, ClosedLoop(clients, clients * per_client, n, think)))
+            alone = simulate(Pipeline(stage_model(pp), pp), FixedPolicy(BASE), BASE, [SimRequest(0, 0.0, n)])
+            stage0 = sum(span.end - span.start for span in alone.spans if span.stage == 0)
+            for load in (0.5, 0.8, 0.95):
+                for seed in (0, 1):
+                    cases.append((f"{n // 1024}K PP {pp} Poisson {load:.0%} seed {seed}", pp,
+                                  poisson_arrivals(load / stage0, 40, n, seed=seed)))
+    lines, gains = [], {"closed loop": [], "Poisson": []}
+    for name, pp, workload in cases:
+        r = run_policies(pp, workload, ("optimal",))
+        best = min(r[f"fixed {size // 1024}K"].mean_ttft for size in FIXED)
+        g = (1.0 - r["optimal"].mean_ttft / best) * 100
+        gains["Poisson" if "Poisson" in name else "closed loop"].append(g)
+        if g < 0:
+            lines.append(f"{name}: optimal {r['optimal'].mean_ttft:.3f} s, best fixed {best:.3f} s ({g:+.2f}%)")
+    for kind, values in gains.items():
+        lines.append(f"{kind}: optimal trails the best fixed chunk in {sum(v < 0 for v in values)} of "
+                     f"{len(values)} cases (worst {min(values):+.2f}%, mean {sum(values) / len(values):+.2f}%)")
+    return "\n".join(lines)
 
 
 def gain(base: SimResult, new: SimResult) -> str:
@@ -123,7 +161,12 @@ def render(rows: list[Row], command: str, seconds: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", help="also write the markdown table to this file")
+    parser.add_argument("--sweep", action="store_true", help="optimal against the best fixed chunk beyond "
+                        "the table (closed loops and Poisson streams; predicted)")
     args = parser.parse_args()
+    if args.sweep:
+        print(sweep())
+        return 0
     start = time.perf_counter()
     rows = [run_case(n, pp, conc) for n in (131072, 262144) for conc in (1, 4) for pp in (2, 4, 8)]
     command = ".venv/bin/python benchmarks/simulate_dynamic_chunking.py" + (

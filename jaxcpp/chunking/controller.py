@@ -24,7 +24,8 @@ acknowledgement of middle prefill chunks.
 States (`ChunkingState`): off (disabled or not applicable), calibrating, installed, gave_up. Off and gave_up keep
 fixed chunking for good; calibrating gives each newly admitted sole prefill a base chunk alternating
 between the budget and max(budget / 4, min chunk), kept for the whole prompt; installed sizes chunks
-with the policy ("equal-latency" per step, "optimal" planned at admission, "fixed").
+with the policy ("equal-latency" per step, "optimal" planned at admission and replanned once when the
+load becomes sustained, i.e. a prompt comes while another prefills (`jaxcpp.chunking.load`), "fixed").
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from jaxcpp.chunking.calibration import (
 from jaxcpp.chunking.fitting import Rejection, fit_startup
 from jaxcpp.chunking.gate import SolePrefillGate
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.load import PrefillLoad
 from jaxcpp.chunking.optimal import plan_optimal
 from jaxcpp.chunking.planner import (
     ChunkSettings,
@@ -88,6 +90,7 @@ class DynamicChunkController:
         self.model: LatencyModel | None = None
         self.gate = SolePrefillGate()
         self._num_prefill_sources = 1  # this step's, as last observed
+        self.load = PrefillLoad()       # optimal: whether prompts keep arriving while others prefill
         self.calibrator = RuntimeCalibrator(settings.budget)
         self.quarter_base = snap_down(max(settings.budget // 4, settings.min_chunk_size), settings)
         self._bases: dict[Hashable, int] = {}      # calibrating: the base chunk kept for a whole prompt
@@ -146,6 +149,10 @@ class DynamicChunkController:
     def observe_step(self, num_prefill_sources: int) -> None:
         self.gate.observe(num_prefill_sources)
         self._num_prefill_sources = num_prefill_sources
+        if self.load.observe(num_prefill_sources):
+            # The prompt prefilling now was planned as one of a batch; its rest is replanned as one of a
+            # stream (the prompts behind it will wait again and again, not once).
+            self._plans.clear()
         self._planned_this_step = False
         if self.state == ChunkingState.CALIBRATING:
             self.calibrator.tick()
@@ -153,6 +160,14 @@ class DynamicChunkController:
 
     def chunk_size_for(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int, budget_left: int,
                        *, single_forward: bool = False, step_tokens: int = 0, prefill_start: int = 0) -> int:
+        chunk = self._chunk_size(request_id, prompt_len, num_computed_tokens, budget_left, single_forward,
+                                 step_tokens, prefill_start)
+        if 0 < prompt_len - num_computed_tokens <= chunk:
+            self.load.prefill_ended()
+        return chunk
+
+    def _chunk_size(self, request_id: Hashable, prompt_len: int, num_computed_tokens: int, budget_left: int,
+                    single_forward: bool, step_tokens: int, prefill_start: int) -> int:
         remaining = prompt_len - num_computed_tokens
         fixed = max(min(self.settings.budget, budget_left, remaining), 0)
         if self.state in (ChunkingState.OFF, ChunkingState.GAVE_UP) or remaining <= 0 or single_forward:
@@ -285,9 +300,10 @@ class DynamicChunkController:
             self._counts["model" if choice.source == "model" else "fixed_unreachable"] += 1
             return min(choice.size, prompt_len - done)
         plan = self._plans.get(request_id)
-        if plan is None or done not in plan:  # new prompt, or the budget cut a planned chunk: replan
+        if plan is None or done not in plan:  # new prompt, the budget cut a planned chunk, or the load changed
+            queued = max(self._num_prefill_sources - 1, 0)
             chunks = plan_optimal(self.model, prompt_len, self.settings, start=done,
-                                  queued=max(self._num_prefill_sources - 1, 0))
+                                  queued=self.load.waiting_for(queued), sustained=self.load.sustained)
             starts = [done + sum(chunks[:i]) for i in range(len(chunks))]
             plan = self._plans[request_id] = dict(zip(starts, chunks, strict=True))
         self._counts["model"] += 1

@@ -8,6 +8,9 @@ C[i][j] = max(C[i−1][j], C[i][j−1]) + w_j·t_i is run, vectorised over chunk
 
 Plans are scored many at a time: rows of a matrix, shorter plans padded with zero-time chunks
 (a zero-time chunk after the last one changes neither form).
+
+`stream_period` is a plan's cost as throughput rather than latency: how long the busiest stage is taken
+per prompt when prompts cut alike follow each other, with the engine's bound on steps in flight.
 """
 
 from __future__ import annotations
@@ -45,6 +48,37 @@ def makespan(times: np.ndarray, pipeline_parallel_size: int,
         slack = done - (finish_if_never_waiting - stage)
         done = finish_if_never_waiting + np.maximum.accumulate(slack, axis=1)
     return done[:, -1]
+
+
+def stream_period(times: np.ndarray, pipeline_parallel_size: int, stage_weights: Sequence[float] | None = None,
+                  max_in_flight: int | None = None) -> np.ndarray:
+    """Time per prompt on the busiest stage, for each row of `times`, in a stream of prompts cut alike.
+
+    The row's chunks run twice in a row through the flow shop; the second copy's span on each stage is
+    its own work there plus any wait, and the longest span is returned. With at most `max_in_flight`
+    steps in flight (a slot frees when its step leaves the last stage; `jaxcpp.core.in_flight`), a prompt
+    whose last chunks are slow still fills the pipe when the next prompt's first, fast chunks come, and
+    stage 0 waits for slots: fixed 32K chunks of 256K prompts on PP 2 (docs/benchmarks.md's model) take
+    46.8 s a prompt so, not their 43.7 s of work.
+    """
+    times = np.atleast_2d(np.asarray(times, dtype=np.float64))
+    weights = np.asarray(stage_weights or (1.0,) * pipeline_parallel_size)
+    rows = np.arange(len(times))
+    count = (times > 0).sum(axis=1)
+    both = np.concatenate([times, times], axis=1)  # each copy's padding moved to the row's end
+    both = np.take_along_axis(both, np.argsort(both == 0, axis=1, kind="stable"), axis=1)
+    done = np.zeros((len(times), both.shape[1], len(weights)))  # when chunk i leaves each stage
+    free = np.zeros((len(times), len(weights)))                 # when each stage is done with its latest
+    for i in range(both.shape[1]):
+        t = both[:, i]
+        # Its slot: the step max_in_flight before it must have left the last stage.
+        ready = done[:, i - max_in_flight, -1] if max_in_flight and i >= max_in_flight else 0.0
+        for stage, weight in enumerate(weights):
+            free[:, stage] = np.where(t > 0, np.maximum(free[:, stage], ready) + weight * t, free[:, stage])
+            ready = free[:, stage]
+        done[:, i] = free
+    spans = done[rows, 2 * count - 1] - done[rows, count - 1]
+    return spans.max(axis=1)
 
 
 def predicted_ttft(model: LatencyModel, chunks: Sequence[int], pipeline_parallel_size: int,

@@ -11,6 +11,8 @@ one-dimensional over a cap τ on chunk latency:
    that keep every chunk at t ≤ τ: front-first (the fewest chunks) and back-first (every prefix L_i as
    short as it can be, so the least γ·Σ L_i for that count);
 2. score every row at once and keep the best; ties go to the earlier row, i.e. the fixed budget first.
+   With prompts waiting for this one the score adds the time the plan holds the busiest stage once for
+   each of them (`score`): fewer, larger chunks, which cost more makespan but less work.
 
 Chunks are allowed sizes (buckets or alignment multiples in [min chunk, budget]); the last chunk is the
 remainder and may be any size up to the budget. Coefficients are taken as non-negative, as calibration
@@ -24,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.chunking.makespan import chunk_times, makespan
+from jaxcpp.chunking.makespan import chunk_times, makespan, stream_period
 from jaxcpp.chunking.planner import ChunkSettings, chunk_sizes_between, plan_equal_latency
 
 _GRID_POINTS = 160
@@ -136,19 +138,28 @@ def fixed_plans(prompt_len: int, start: int, sizes: np.ndarray) -> np.ndarray:
 
 
 def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start: int = 0,
-          queued: int = 0) -> np.ndarray:
-    """Predicted makespan of each row of a zero-padded plan matrix, plus, with `queued` prompts waiting
-    behind this one, the time the plan holds the slowest stage once for each of them (they start only
-    after it: a plan of many small chunks finishes its own prompt sooner but delays every one behind)."""
+          queued: int = 0, sustained: bool = False) -> np.ndarray:
+    """Predicted makespan of each row of a zero-padded plan matrix, plus the time the plan holds the
+    slowest stage once for each of `queued` prompts that wait for it (they start only after it: a plan
+    of many small chunks finishes its own prompt sooner but delays every one behind).
+
+    `sustained`: prompts keep arriving while others prefill (`jaxcpp.chunking.load`), so the plan is one of
+    a stream: the time it holds the busiest stage is its period in a stream of prompts cut alike
+    (`makespan.stream_period`), which also counts how long its slow last chunks keep the next prompt's
+    first chunks out of the pipe."""
     times = chunk_times(model, plans, start)
-    held = times.sum(axis=1) * max(settings.stage_weights or (1.0,))
-    return makespan(times, settings.pipeline_parallel_size, settings.stage_weights) + queued * held
+    weights = settings.stage_weights
+    if sustained:
+        held = stream_period(times, settings.pipeline_parallel_size, weights, settings.max_prompt_steps_in_flight)
+    else:
+        held = times.sum(axis=1) * max(weights or (1.0,))
+    return makespan(times, settings.pipeline_parallel_size, weights) + queued * held
 
 
 def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, start: int = 0,
-                 queued: int = 0) -> list[int]:
+                 queued: int = 0, sustained: bool = False) -> list[int]:
     """The chunk plan for tokens start..prompt_len that minimises the predicted makespan (with `queued`
-    prompts behind it: see `score`)."""
+    prompts waiting for it, under `sustained` load or not: see `score`)."""
     todo = prompt_len - start
     sizes = planner_sizes(settings)
     if todo <= 0:
@@ -169,6 +180,6 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
                   fill_back(model, prompt_len, start, sizes, taus)]
     # Scored group by group: a group's width is its longest plan, so no group pays for another's.
     scored = [(float(s.min()), group[int(np.argmin(s))]) for group in candidates if len(group)
-              for s in [score(model, group, settings, start, queued)]]
+              for s in [score(model, group, settings, start, queued, sustained)]]
     best = min(scored, key=lambda item: item[0])[1]  # min() keeps the first of equals: fixed before others
     return [int(v) for v in best if v > 0]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.config import DEFAULT_SMOOTH_FACTOR, EngineConfig
 from jaxcpp.core.buckets import token_alignment
+from jaxcpp.core.in_flight import PREFILL_DEPTH_FACTOR
 
 POLICIES = ("fixed", "equal-latency", "optimal")
 # A chunk whose γ·L prefix rebuild would exceed this share of its own latency is too small to pay off.
@@ -37,6 +38,7 @@ class ChunkSettings:
     pipeline_parallel_size: int = 1
     allowed_sizes: tuple[int, ...] | None = None   # compiled token buckets, ascending
     stage_weights: tuple[float, ...] | None = None  # per-stage time relative to the model, for uneven PP
+    in_flight_depth: int | None = None  # the engine's steps in flight (P, + 1 with async scheduling); None: P
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -49,10 +51,17 @@ class ChunkSettings:
         if self.stage_weights is not None and len(self.stage_weights) != self.pipeline_parallel_size:
             raise ValueError(f"{len(self.stage_weights)} stage weights for "
                              f"{self.pipeline_parallel_size} pipeline stages")
+        if self.in_flight_depth is not None and self.in_flight_depth < 1:
+            raise ValueError(f"in_flight_depth must be >= 1, got {self.in_flight_depth}")
 
     @property
     def alignment(self) -> int:
         return token_alignment(self.page_size)
+
+    @property
+    def max_prompt_steps_in_flight(self) -> int:
+        """Steps of prompt chunks the engine keeps in flight at most (`jaxcpp.core.in_flight`)."""
+        return PREFILL_DEPTH_FACTOR * (self.in_flight_depth or self.pipeline_parallel_size)
 
 
 def stage_weights_from_layers(layers: list[int]) -> tuple[float, ...]:
@@ -66,7 +75,8 @@ def stage_weights_from_layers(layers: list[int]) -> tuple[float, ...]:
 def settings_from_config(config: EngineConfig, allowed_sizes: tuple[int, ...] | None = None) -> ChunkSettings:
     """The settings the engine's flags imply; `allowed_sizes` are the compiled token buckets, if known.
 
-    With an uneven --pp-partition the stages weigh layers / the largest stage's layers.
+    With an uneven --pp-partition the stages weigh layers / the largest stage's layers. The in-flight
+    depth is the engine's: P, and one more with async scheduling.
     """
     parallel, chunking = config.parallel, config.chunking
     weights = stage_weights_from_layers(parallel.partition_list()) if parallel.pp_partition is not None else None
@@ -75,7 +85,8 @@ def settings_from_config(config: EngineConfig, allowed_sizes: tuple[int, ...] | 
                          min_chunk_size=chunking.dynamic_chunking_min_chunk_size,
                          page_size=config.cache.page_size,
                          pipeline_parallel_size=parallel.pipeline_parallel_size,
-                         allowed_sizes=allowed_sizes, stage_weights=weights)
+                         allowed_sizes=allowed_sizes, stage_weights=weights,
+                         in_flight_depth=parallel.pipeline_parallel_size + config.scheduler.async_scheduling)
 
 
 def snap_down(value: float, settings: ChunkSettings) -> int:

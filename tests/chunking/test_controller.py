@@ -6,6 +6,7 @@ import pytest
 
 from jaxcpp.chunking.controller import DynamicChunkController, format_report
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.chunking.load import ROUNDS_AHEAD
 from jaxcpp.chunking.optimal import plan_optimal
 from jaxcpp.chunking.planner import ChunkSettings
 from jaxcpp.config import EngineConfig
@@ -112,6 +113,36 @@ def test_optimal_prefills_long_prompts_one_at_a_time_in_their_own_plans():
     ctl.observe_step(1)
     assert ctl.chunk_size_for("b", 131072, 0, 32768) == alone[0]  # now b's turn, alone: a lone plan
     assert ctl.report_counts()["fixed_concurrent"] == 0
+
+
+def test_optimal_plans_prompts_as_a_stream_while_others_keep_arriving():
+    """Two prompts at once are a batch: the first is planned with one behind it. A third that comes
+    while it prefills makes the load sustained: its rest is replanned from where it is, as one of a
+    stream (the prompts behind it and, ROUNDS_AHEAD times, each of the most seen at once wait for its
+    stage-0 time), and so is the next prompt. One that comes to an empty prefill queue is planned alone."""
+    ctl = DynamicChunkController(SETTINGS, policy="optimal", model=TRUE)
+
+    def prefill(request_id, start, sources):
+        """The rest of one prompt from `start`, `sources` prefill sources observed before each step."""
+        done, chunks = start, []
+        while done < 131072:
+            ctl.observe_step(sources)
+            chunks.append(ctl.chunk_size_for(request_id, 131072, done, 32768))
+            done += chunks[-1]
+        ctl.finish_request(request_id)
+        return chunks
+
+    ctl.observe_step(2)
+    batch = plan_optimal(TRUE, 131072, SETTINGS, queued=1)
+    assert ctl.chunk_size_for("a", 131072, 0, 32768) == batch[0]
+    rest = plan_optimal(TRUE, 131072, SETTINGS, start=batch[0], queued=2 + ROUNDS_AHEAD * 3, sustained=True)
+    assert rest[0] > batch[1]  # fewer, larger chunks than the batch plan's
+    assert prefill("a", batch[0], sources=3) == rest  # "c" came at once
+    stream = plan_optimal(TRUE, 131072, SETTINGS, queued=1 + ROUNDS_AHEAD * 3, sustained=True)
+    assert prefill("b", 0, sources=2) == stream
+    assert prefill("c", 0, sources=1) == plan_optimal(TRUE, 131072, SETTINGS, queued=ROUNDS_AHEAD * 3,
+                                                      sustained=True)
+    assert prefill("d", 0, sources=1) == plan_optimal(TRUE, 131072, SETTINGS)  # came to an empty queue
 
 
 def test_turns_off_when_not_applicable(caplog):

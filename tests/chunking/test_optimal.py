@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.chunking.makespan import makespan, predicted_ttft
+from jaxcpp.chunking.makespan import makespan, predicted_ttft, stream_period
 from jaxcpp.chunking.optimal import plan_optimal, planner_sizes
 from jaxcpp.chunking.planner import ChunkSettings, plan_fixed
 from jaxcpp.chunking.policy import plan_chunks
@@ -108,3 +108,16 @@ def test_uneven_stages_use_the_exact_recurrence():
                       stage_weights=(15 / 16, 15 / 16, 15 / 16, 1.0))
     ours = predicted_ttft(model, plan_optimal(model, 131072, s), 4, s.stage_weights)
     assert ours <= predicted_ttft(model, plan_fixed(131072, 32768), 4, s.stage_weights)
+
+
+def test_stream_period_counts_the_wait_for_an_in_flight_slot():
+    """Chunks [4, 1] (padded) twice in a row on 2 stages. Unbounded, the second copy holds each stage for
+    its 5 s of work. With 2 steps in flight its first chunk waits for the first copy's 4 s chunk to leave
+    the last stage (at 8, not 5), so each stage is held 8 s. Hand-run: stage 0 ends copy one at 5 and
+    copy two at 13, stage 1 at 9 and 17."""
+    times = np.array([[4.0, 1.0, 0.0]])
+    assert stream_period(times, 2)[0] == 5.0
+    assert stream_period(times, 2, max_in_flight=2)[0] == 8.0
+    assert stream_period(times, 2, max_in_flight=4)[0] == 5.0
+    # Uneven stages: the busiest stage's span (stage 1 takes twice as long: 10 s a copy).
+    assert stream_period(times, 2, (1.0, 2.0))[0] == 10.0

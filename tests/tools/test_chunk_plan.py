@@ -99,6 +99,7 @@ def test_engine_flags_build_the_settings_the_engine_would():
         dynamic_chunking_min_chunk_size=1024))
     assert settings == expected
     assert settings.stage_weights == (0.6, 1.0) and settings.alignment == 128
+    assert settings.in_flight_depth == 3 and settings.max_prompt_steps_in_flight == 6  # P + async, doubled
     assert settings.smooth_factor == DEFAULT_SMOOTH_FACTOR
 
 
