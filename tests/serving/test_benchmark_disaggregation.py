@@ -1,0 +1,80 @@
+"""benchmarks/disaggregation.py: the workload split between colocated engines, the driver against two
+fake-engine servers, the KV layout's bytes per token and the tables' ratios (the timed runs need real,
+pinned servers: docs/benchmarks.md has them)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from jaxcpp.serving import Client
+from tests.serving.fakes import fake_engine
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "disaggregation.py"
+_spec = importlib.util.spec_from_file_location("benchmark_disaggregation", _PATH)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench
+_spec.loader.exec_module(bench)
+
+
+def args(*argv: str) -> argparse.Namespace:
+    return bench.build_parser().parse_args(["--streams", "6", "--stream-input-len", "8", "--stream-output-len", "5",
+                                            "--long-prompt-len", "100", "--long-output-len", "2", "--inject-at", "0",
+                                            "--inject-every", "0.05", "--inject-until", "0.24", *argv])
+
+
+def test_the_split_gives_each_engine_half_the_streams_and_every_other_long_prompt() -> None:
+    specs = bench.workload(args(), vocab_size=64, eos={1}, seed=3)
+    streams = [s for s in specs if s.send_at is None]
+    longs = [s for s in specs if s.send_at is not None]
+    assert [len(s.prompt) for s in streams] == [8] * 6 and {s.output_len for s in streams} == {5}
+    assert [round(t, 6) for t in sorted(s.send_at for s in longs)] == [0.0, 0.05, 0.1, 0.15, 0.2]
+    assert all(len(s.prompt) == 100 and 1 not in s.prompt for s in longs)
+    where = bench.split(specs, 2)
+    assert [w for s, w in zip(specs, where, strict=True) if s.send_at is None] == [0, 1, 0, 1, 0, 1]
+    by_time = sorted((s.send_at, w) for s, w in zip(specs, where, strict=True) if s.send_at is not None)
+    assert [w for _, w in by_time] == [0, 1, 0, 1, 0]
+    assert bench.split(specs, 1) == [0] * len(specs)
+
+
+def test_drive_sends_each_request_to_its_engine(serve: Any) -> None:
+    servers = [serve(fake_engine(max_model_len=1024)) for _ in range(2)]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    specs = bench.workload(args(), vocab_size=64, eos={1}, seed=0)
+    results, duration = asyncio.run(bench.drive(targets, specs, bench.split(specs, 2)))
+    s = bench.summarize(results, duration)
+    assert (s["completed"], s["failed"], s["num_long_prompts"]) == (11, 0, 5)
+    assert s["total_output_tokens"] == 6 * 5 + 5 * 2 and s["stream_throughput"] > 0
+    generated = []
+    for target in targets:
+        with Client(target) as c:
+            generated.append(c.stats().engine.num_generation_tokens_total)
+    assert generated == [3 * 5 + 3 * 2, 3 * 5 + 2 * 2]
+
+
+def test_kv_bytes_per_token_is_the_layout_unpadded(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 8, "num_key_value_heads": 2,
+                                                      "hidden_size": 256, "num_attention_heads": 8}))
+    assert bench.kv_bytes_per_token(str(tmp_path), "float32") == 2 * 8 * 2 * 32 * 4
+    assert bench.kv_bytes_per_token(str(tmp_path), "float8_e4m3fn") == 2 * 8 * 2 * 32
+
+
+def _run(itl_p99: float, throughput: float) -> dict[str, Any]:
+    summary = {"itl_ms": {"p50": 5.0, "p99": itl_p99, "max": 2 * itl_p99}, "ttft_ms": {"p50": 10.0, "p99": 20.0},
+               "long_prompt_ttft_ms": {"p50": 300.0, "p99": 400.0}, "stream_throughput": throughput, "failed": 0}
+    return {"summary": summary}
+
+
+def test_the_table_gives_medians_and_the_ratios_of_the_targets() -> None:
+    runs = {"colocated": [_run(50, 1000), _run(40, 900), _run(60, 1100)],
+            "disaggregated": [_run(10, 900), _run(8, 950), _run(20, 800)]}
+    text = bench.compare_table(runs)
+    assert "| colocated | 5.0 ms | 50.0 ms | 100 ms |" in text and "| 1000 |" in text
+    assert "p99 ITL colocated / disaggregated: 5.00x (per run pair: 5.00, 5.00, 3.00)" in text
+    assert "output throughput disaggregated / colocated: 0.90x (per run pair: 0.90, 1.06, 0.73)" in text
