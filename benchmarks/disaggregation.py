@@ -10,12 +10,13 @@ Four `jaxcpp serve` processes of one model with the same flags (`--serve-args`),
 
 The workload: `--streams` requests of `--stream-input-len` tokens streaming `--stream-output-len` tokens each
 (ignore_eos), all sent at t = 0, and a `--long-prompt-len`-token prompt (`--long-output-len` tokens out) every
-`--inject-every` s from `--inject-at` to `--inject-until`. Each set-up is warmed by one full untimed run,
+`--inject-every` s from `--inject-at` for as long as any stream runs. Each set-up is warmed by one full untimed run,
 then the two alternate for `--repeat` timed runs each (run i of both: the same prompts, new ones per run, so
 no prefix cache hits); the table gives the medians. ITL is over the streams' messages; throughput is the
 streams' output tokens over the time their last token arrived. Per run it also records each server's CPU
-seconds (/proc) and, for the disaggregated pair, the consumer's KV-transfer counts and the producer's own
-TTFT (its /metrics histogram).
+seconds (/proc), the rest of the machine's (other sessions), the streams' gaps split by whether a long
+prompt was waiting for its first token on their engine, and for the disaggregated pair the consumer's
+KV-transfer counts and the producer's own TTFT (its /metrics histogram).
 
 KV transfer: lone prompts of each `--transfer-lens` length, one at a time (`--transfer-repeat` each, after
 an untimed one), against the consumer, then against colocated engine A: per request the consumer's stats
@@ -127,18 +128,58 @@ def split(specs: list[Any], num_targets: int) -> list[int]:
     return where
 
 
-async def drive(targets: list[str], specs: list[Any], where: list[int]) -> tuple[list[Any], float]:
-    """serving.py's driver and per-request timing, each request sent to its own target, one clock for all."""
+async def drive(targets: list[str], specs: list[Any], where: list[int]) -> tuple[list[Any], list[int], float]:
+    """The streams at once, then each long prompt at its time for as long as any stream runs (so long prompts
+    arrive at one rate over the streams' whole life, however long a set-up takes); each request to its own
+    target, timed by serving.py's `_one` on one clock. Returns the results, the target of each, the duration."""
     clients = [AsyncClient(t) for t in targets]
     try:
         for c in clients:
             await c.wait_ready(60)
-        route = {id(s): clients[w] for s, w in zip(specs, where, strict=True)}
-        gaps = [0.0] * sum(s.send_at is None for s in specs)
-        return await serving._drive(lambda spec, t0: serving._one(route[id(spec)], spec, t0), specs, gaps, None)
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> tuple[Any, int]:
+            return await serving._one(clients[where[i]], specs[i], t0), where[i]
+
+        streams = [asyncio.create_task(one(i)) for i, s in enumerate(specs) if s.send_at is None]
+        longs = []
+        for i in sorted((i for i, s in enumerate(specs) if s.send_at is not None), key=lambda i: specs[i].send_at):
+            await asyncio.wait(streams, timeout=max(0.0, t0 + specs[i].send_at - time.perf_counter()))
+            if all(t.done() for t in streams):
+                break
+            longs.append(asyncio.create_task(one(i)))
+        done = await asyncio.gather(*streams, *longs)
+        return [r for r, _ in done], [w for _, w in done], time.perf_counter() - t0
     finally:
         for c in clients:
             await c.close()
+
+
+def itl_attribution(results: list[Any], targets: list[int]) -> dict[str, float]:
+    """The streams' inter-token gaps split by what their engine was doing: a gap that overlaps a long
+    prompt's wait for its first token (sent -> first token) on the same target, and the rest; and the gaps
+    in which a long prompt's first token arrived (colocated: its last chunk; disaggregated: its pages'
+    import and admission). Milliseconds; counts as numbers of gaps."""
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for r, w in zip(results, targets, strict=True):
+        if r.kind == "long" and r.success and r.output_len:
+            windows.setdefault(w, []).append((r.start, r.start + r.ttft))
+    during, outside, admitting = [], [], []
+    for r, w in zip(results, targets, strict=True):
+        if r.kind != "normal" or not r.success:
+            continue
+        for a, b in zip(r.token_times, r.token_times[1:], strict=False):
+            mine = windows.get(w, [])
+            (during if any(a < end and b > start for start, end in mine) else outside).append(b - a)
+            if any(a < end <= b for _, end in mine):
+                admitting.append(b - a)
+
+    def pct(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) * 1e3 if values else 0.0
+
+    return {"during_n": len(during), "during_p50": pct(during, 50), "during_p99": pct(during, 99),
+            "outside_n": len(outside), "outside_p50": pct(outside, 50), "outside_p99": pct(outside, 99),
+            "admitting_n": len(admitting), "admitting_p50": pct(admitting, 50)}
 
 
 def summarize(results: list[Any], duration: float) -> dict[str, Any]:
@@ -225,16 +266,30 @@ def run_setup(setups: Setups, setup: str, args: argparse.Namespace, vocab: tuple
     client0 = _client_cpu()
     counts0 = engine_counts(setups.consumer.target) if setup == "disaggregated" else None
     ttft0 = engine_ttft(setups.producer) if setup == "disaggregated" else None
-    results, duration = asyncio.run(drive(targets, specs, where))
-    row: dict[str, Any] = {"setup": setup, "seed": seed, "summary": summarize(results, duration),
-                           "cpu_s": {name: cpu_seconds(s.proc.pid) - cpu0[name] for name, s in setups.all.items()},
-                           "client_cpu_s": _client_cpu() - client0,
-                           "requests_per_target": [where.count(i) for i in range(len(targets))]}
+    machine0 = machine_cpu()
+    results, sent_to, duration = asyncio.run(drive(targets, specs, where))
+    machine1 = machine_cpu()
+    cpu = {name: cpu_seconds(s.proc.pid) - cpu0[name] for name, s in setups.all.items()}
+    client = _client_cpu() - client0
+    row: dict[str, Any] = {"setup": setup, "seed": seed, "summary": summarize(results, duration), "cpu_s": cpu,
+                           "client_cpu_s": client, "itl_split": itl_attribution(results, sent_to),
+                           # busy CPU time of everything else on the machine (other sessions), and steal
+                           "others_cpu_s": machine1[0] - machine0[0] - sum(cpu.values()) - client,
+                           "steal_s": machine1[1] - machine0[1], "loadavg_1m": os.getloadavg()[0],
+                           "requests_per_target": [sent_to.count(i) for i in range(len(targets))]}
     if counts0 is not None and ttft0 is not None:
         row["consumer"] = delta(engine_counts(setups.consumer.target), counts0, TRANSFER_KEYS)
         ttft1 = engine_ttft(setups.producer)
         row["producer_ttft_mean_ms"] = 1e3 * (ttft1[0] - ttft0[0]) / max(ttft1[1] - ttft0[1], 1)
     return row
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
 def _client_cpu() -> float:
@@ -335,20 +390,31 @@ def compare_table(runs: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def where_time_goes(runs: dict[str, list[dict[str, Any]]]) -> str:
-    """Per run: each server's share of a core, and the disaggregated pair's transfer counts."""
-    lines = ["| set-up | run | duration | CPU s: A / B / producer / consumer | client CPU s | transfers | "
-             "pull mean | producer call mean | producer TTFT mean |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    """Per timed run: each server's CPU seconds, the rest of the machine's, and the streams' gaps split by
+    what their engine was doing (`itl_attribution`); for the disaggregated pair, its transfer counts."""
+    lines = ["| set-up | run | duration | CPU s: A / B / producer / consumer | client CPU s | others' CPU s | "
+             "long prompts |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     for setup, rows in runs.items():
         for i, r in enumerate(rows):
             cpu = " / ".join(f"{r['cpu_s'][k]:.1f}" for k in ("A", "B", "producer", "consumer"))
+            lines.append(f"| {setup} | {i + 1} | {r['summary']['duration_s']:.1f} s | {cpu} | "
+                         f"{r['client_cpu_s']:.1f} | {r['others_cpu_s']:.1f} | {r['summary']['num_long_prompts']} |")
+    lines += ["", "| set-up | run | ITL p50 / p99 while a long prompt waits for its first token (gaps) | "
+              "ITL p50 / p99 otherwise (gaps) | gap with a long prompt's first token, p50 (gaps) | transfers | "
+              "pull mean | producer call mean | producer TTFT mean |",
+              "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for setup, rows in runs.items():
+        for i, r in enumerate(rows):
+            x = r["itl_split"]
             c = r.get("consumer")
             n = c["num_kv_transfers_total"] if c else 0
             extra = (f"{n} | {c['num_kv_transfer_microseconds_total'] / n / 1e3:.1f} ms | "
                      f"{c['num_remote_prefill_microseconds_total'] / n / 1e3:.0f} ms | "
                      f"{r['producer_ttft_mean_ms']:.0f} ms") if c and n else "- | - | - | -"
-            lines.append(f"| {setup} | {i + 1} | {r['summary']['duration_s']:.1f} s | {cpu} | "
-                         f"{r['client_cpu_s']:.1f} | {extra} |")
+            lines.append(f"| {setup} | {i + 1} | {x['during_p50']:.1f} / {x['during_p99']:.1f} ms ({x['during_n']}) | "
+                         f"{x['outside_p50']:.1f} / {x['outside_p99']:.1f} ms ({x['outside_n']}) | "
+                         f"{x['admitting_p50']:.1f} ms ({x['admitting_n']}) | {extra} |")
     return "\n".join(lines)
 
 
@@ -388,12 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="flags for every `jaxcpp serve` (chunked prefill is on by default)")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--stream-input-len", type=int, default=32)
-    p.add_argument("--stream-output-len", type=int, default=2048)
+    p.add_argument("--stream-output-len", type=int, default=1024)
     p.add_argument("--long-prompt-len", type=int, default=1536)
     p.add_argument("--long-output-len", type=int, default=4)
     p.add_argument("--inject-at", type=float, default=1.0, help="first long prompt, s after start")
     p.add_argument("--inject-every", type=float, default=1.0)
-    p.add_argument("--inject-until", type=float, default=14.0)
+    p.add_argument("--inject-until", type=float, default=120.0, help="no long prompt after this (s), nor after "
+                   "the last stream has ended")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per set-up, alternating")
     p.add_argument("--transfer-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
     p.add_argument("--transfer-repeat", type=int, default=3)

@@ -44,18 +44,46 @@ def test_the_split_gives_each_engine_half_the_streams_and_every_other_long_promp
 
 
 def test_drive_sends_each_request_to_its_engine(serve: Any) -> None:
-    servers = [serve(fake_engine(max_model_len=1024)) for _ in range(2)]
+    # slow steps: the streams outlast the long prompts' send times (0 to 4 ms), so all five are sent
+    servers = [serve(fake_engine(max_model_len=1024, step_delay_s=0.01)) for _ in range(2)]
     targets = [f"127.0.0.1:{s.port}" for s in servers]
-    specs = bench.workload(args(), vocab_size=64, eos={1}, seed=0)
-    results, duration = asyncio.run(bench.drive(targets, specs, bench.split(specs, 2)))
+    specs = bench.workload(args("--inject-every", "0.001", "--inject-until", "0.0045"), vocab_size=64, eos={1},
+                           seed=0)
+    results, sent_to, duration = asyncio.run(bench.drive(targets, specs, bench.split(specs, 2)))
     s = bench.summarize(results, duration)
     assert (s["completed"], s["failed"], s["num_long_prompts"]) == (11, 0, 5)
     assert s["total_output_tokens"] == 6 * 5 + 5 * 2 and s["stream_throughput"] > 0
+    assert sorted((r.kind, w) for r, w in zip(results, sent_to, strict=True)) == sorted(
+        [("normal", 0)] * 3 + [("normal", 1)] * 3 + [("long", 0)] * 3 + [("long", 1)] * 2)
     generated = []
     for target in targets:
         with Client(target) as c:
             generated.append(c.stats().engine.num_generation_tokens_total)
     assert generated == [3 * 5 + 3 * 2, 3 * 5 + 2 * 2]
+
+
+def test_long_prompts_stop_when_the_streams_end(serve: Any) -> None:
+    server = serve(fake_engine(max_model_len=1024, step_delay_s=0.01))
+    specs = bench.workload(args("--inject-every", "0.05", "--inject-until", "10"), vocab_size=64, eos={1}, seed=0)
+    assert sum(s.kind == "long" for s in specs) == 200
+    results, _, duration = asyncio.run(bench.drive([f"127.0.0.1:{server.port}"], specs, [0] * len(specs)))
+    longs = [r for r in results if r.kind == "long"]
+    streams_end = max(r.start + r.e2el for r in results if r.kind == "normal")
+    assert 1 <= len(longs) < 20 and duration < 3
+    assert all(r.success and r.start <= streams_end for r in longs)
+
+
+def test_itl_attribution_splits_the_gaps_by_their_engine_s_long_prompts() -> None:
+    R = bench.serving.RequestResult
+    results = [R("long", 100, 1.0, True, output_len=1, ttft=0.5),
+               R("normal", 8, 0.5, True, output_len=5, token_times=[0.5, 0.9, 1.2, 1.6, 1.7]),
+               R("normal", 8, 1.1, True, output_len=2, token_times=[1.1, 1.3])]
+    x = bench.itl_attribution(results, [0, 0, 1])
+    # target 0's stream: (0.9, 1.2) and (1.2, 1.6) overlap the window [1.0, 1.5], the second holds its end;
+    # target 1's stream is outside: the long prompt ran on the other engine
+    assert (x["during_n"], x["outside_n"], x["admitting_n"]) == (2, 3, 1)
+    assert round(x["during_p50"], 6) == 350.0 and round(x["admitting_p50"], 6) == 400.0
+    assert round(x["outside_p50"], 6) == 200.0
 
 
 def test_kv_bytes_per_token_is_the_layout_unpadded(tmp_path: Path) -> None:
