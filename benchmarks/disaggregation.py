@@ -164,7 +164,9 @@ def itl_attribution(results: list[Any], targets: list[int]) -> dict[str, float]:
     for r, w in zip(results, targets, strict=True):
         if r.kind == "long" and r.success and r.output_len:
             windows.setdefault(w, []).append((r.start, r.start + r.ttft))
-    during, outside, admitting = [], [], []
+    during: list[float] = []
+    outside: list[float] = []
+    admitting: list[float] = []
     for r, w in zip(results, targets, strict=True):
         if r.kind != "normal" or not r.success:
             continue
