@@ -41,6 +41,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -128,10 +129,12 @@ def split(specs: list[Any], num_targets: int) -> list[int]:
     return where
 
 
-async def drive(targets: list[str], specs: list[Any], where: list[int]) -> tuple[list[Any], list[int], float]:
+async def drive(targets: list[str], specs: list[Any], where: list[int],
+                before_longs: Callable[[], Any] | None = None) -> tuple[list[Any], list[int], float]:
     """The streams at once, then each long prompt at its time for as long as any stream runs (so long prompts
     arrive at one rate over the streams' whole life, however long a set-up takes); each request to its own
-    target, timed by serving.py's `_one` on one clock. Returns the results, the target of each, the duration."""
+    target, timed by serving.py's `_one` on one clock. `before_longs` runs (in a thread) just before the first
+    long prompt is sent. Returns the results, the target of each, the duration."""
     clients = [AsyncClient(t) for t in targets]
     try:
         for c in clients:
@@ -142,11 +145,13 @@ async def drive(targets: list[str], specs: list[Any], where: list[int]) -> tuple
             return await serving._one(clients[where[i]], specs[i], t0), where[i]
 
         streams = [asyncio.create_task(one(i)) for i, s in enumerate(specs) if s.send_at is None]
-        longs = []
+        longs: list[asyncio.Task[tuple[Any, int]]] = []
         for i in sorted((i for i, s in enumerate(specs) if s.send_at is not None), key=lambda i: specs[i].send_at):
             await asyncio.wait(streams, timeout=max(0.0, t0 + specs[i].send_at - time.perf_counter()))
             if all(t.done() for t in streams):
                 break
+            if not longs and before_longs is not None:
+                await asyncio.to_thread(before_longs)
             longs.append(asyncio.create_task(one(i)))
         done = await asyncio.gather(*streams, *longs)
         return [r for r, _ in done], [w for _, w in done], time.perf_counter() - t0
@@ -269,7 +274,13 @@ def run_setup(setups: Setups, setup: str, args: argparse.Namespace, vocab: tuple
     counts0 = engine_counts(setups.consumer.target) if setup == "disaggregated" else None
     ttft0 = engine_ttft(setups.producer) if setup == "disaggregated" else None
     machine0 = machine_cpu()
-    results, sent_to, duration = asyncio.run(drive(targets, specs, where))
+    at_longs: dict[str, Any] = {}
+
+    def snapshot() -> None:  # the streams' own transfers are done by then: what follows is the long prompts'
+        at_longs["counts"], at_longs["ttft"] = engine_counts(setups.consumer.target), engine_ttft(setups.producer)
+
+    results, sent_to, duration = asyncio.run(drive(targets, specs, where,
+                                                   snapshot if setup == "disaggregated" else None))
     machine1 = machine_cpu()
     cpu = {name: cpu_seconds(s.proc.pid) - cpu0[name] for name, s in setups.all.items()}
     client = _client_cpu() - client0
@@ -280,10 +291,32 @@ def run_setup(setups: Setups, setup: str, args: argparse.Namespace, vocab: tuple
                            "steal_s": machine1[1] - machine0[1], "loadavg_1m": os.getloadavg()[0],
                            "requests_per_target": [sent_to.count(i) for i in range(len(targets))]}
     if counts0 is not None and ttft0 is not None:
-        row["consumer"] = delta(engine_counts(setups.consumer.target), counts0, TRANSFER_KEYS)
-        ttft1 = engine_ttft(setups.producer)
+        counts1, ttft1 = engine_counts(setups.consumer.target), engine_ttft(setups.producer)
+        row["consumer"] = delta(counts1, counts0, TRANSFER_KEYS)
         row["producer_ttft_mean_ms"] = 1e3 * (ttft1[0] - ttft0[0]) / max(ttft1[1] - ttft0[1], 1)
+        if at_longs:
+            row["long_prompts"] = long_prompt_times(results, delta(counts1, at_longs["counts"], TRANSFER_KEYS),
+                                                    (ttft1[0] - at_longs["ttft"][0], ttft1[1] - at_longs["ttft"][1]))
     return row
+
+
+def long_prompt_times(results: list[Any], counts: dict[str, int], producer_ttft: tuple[float, float]
+                      ) -> dict[str, float]:
+    """Where a long prompt's TTFT goes under disaggregation, means in ms over the long prompts of a run: the
+    producer's own TTFT (its queue, prefill, first token), its whole Generate call as the consumer saw it
+    (plus gathering and offering the pages, and gRPC), the pull (offer -> pages arrived), and the rest:
+    the consumer's part (reserving pages before the call; importing the pages, admitting the request and
+    sending its first token after the pull)."""
+    longs = [r for r in results if r.kind == "long" and r.success]
+    n = counts["num_kv_transfers_total"]
+    if not longs or n != len(longs):
+        return {}
+    ttft = 1e3 * float(np.mean([r.ttft for r in longs]))
+    call = counts["num_remote_prefill_microseconds_total"] / n / 1e3
+    pull = counts["num_kv_transfer_microseconds_total"] / n / 1e3
+    return {"n": n, "client_ttft_ms": ttft, "producer_ttft_ms": 1e3 * producer_ttft[0] / max(producer_ttft[1], 1),
+            "producer_call_ms": call, "pull_ms": pull, "consumer_rest_ms": ttft - call - pull,
+            "bytes_per_token": counts["num_kv_transfer_bytes_total"] / max(counts["num_kv_transfer_tokens_total"], 1)}
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -403,17 +436,15 @@ def where_time_goes(runs: dict[str, list[dict[str, Any]]]) -> str:
             lines.append(f"| {setup} | {i + 1} | {r['summary']['duration_s']:.1f} s | {cpu} | "
                          f"{r['client_cpu_s']:.1f} | {r['others_cpu_s']:.1f} | {r['summary']['num_long_prompts']} |")
     lines += ["", "| set-up | run | ITL p50 / p99 while a long prompt waits for its first token (gaps) | "
-              "ITL p50 / p99 otherwise (gaps) | gap with a long prompt's first token, p50 (gaps) | transfers | "
-              "pull mean | producer call mean | producer TTFT mean |",
-              "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+              "ITL p50 / p99 otherwise (gaps) | gap with a long prompt's first token, p50 (gaps) | "
+              "long prompts' TTFT mean: client = producer call + pull + consumer (producer's own TTFT) |",
+              "| --- | ---: | --- | --- | --- | --- |"]
     for setup, rows in runs.items():
         for i, r in enumerate(rows):
             x = r["itl_split"]
-            c = r.get("consumer")
-            n = c["num_kv_transfers_total"] if c else 0
-            extra = (f"{n} | {c['num_kv_transfer_microseconds_total'] / n / 1e3:.1f} ms | "
-                     f"{c['num_remote_prefill_microseconds_total'] / n / 1e3:.0f} ms | "
-                     f"{r['producer_ttft_mean_ms']:.0f} ms") if c and n else "- | - | - | -"
+            t = r.get("long_prompts")
+            extra = (f"{t['client_ttft_ms']:.0f} = {t['producer_call_ms']:.0f} + {t['pull_ms']:.1f} + "
+                     f"{t['consumer_rest_ms']:.0f} ms ({t['producer_ttft_ms']:.0f} ms)") if t else "-"
             lines.append(f"| {setup} | {i + 1} | {x['during_p50']:.1f} / {x['during_p99']:.1f} ms ({x['during_n']}) | "
                          f"{x['outside_p50']:.1f} / {x['outside_p99']:.1f} ms ({x['outside_n']}) | "
                          f"{x['admitting_p50']:.1f} ms ({x['admitting_n']}) | {extra} |")

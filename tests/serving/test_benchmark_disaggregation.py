@@ -106,3 +106,17 @@ def test_the_table_gives_medians_and_the_ratios_of_the_targets() -> None:
     assert "| colocated | 5.0 ms | 50.0 ms | 100 ms |" in text and "| 1000 |" in text
     assert "p99 ITL colocated / disaggregated: 5.00x (per run pair: 5.00, 5.00, 3.00)" in text
     assert "output throughput disaggregated / colocated: 0.90x (per run pair: 0.90, 1.06, 0.73)" in text
+
+
+def test_a_long_prompt_s_ttft_is_split_into_producer_pull_and_consumer() -> None:
+    R = bench.serving.RequestResult
+    results = [R("long", 1536, 1.0, True, output_len=4, ttft=0.5), R("long", 1536, 2.0, True, output_len=4, ttft=0.7),
+               R("normal", 8, 0.0, True, output_len=9, ttft=0.1)]
+    counts = {"num_kv_transfers_total": 2, "num_remote_prefill_microseconds_total": 800_000,
+              "num_kv_transfer_microseconds_total": 40_000, "num_kv_transfer_bytes_total": 4096 * 2 * 2048,
+              "num_kv_transfer_tokens_total": 2 * 1536}
+    t = bench.long_prompt_times(results, counts, (0.7, 2))
+    assert (t["n"], round(t["client_ttft_ms"], 6), t["producer_call_ms"], t["pull_ms"]) == (2, 600.0, 400.0, 20.0)
+    assert round(t["consumer_rest_ms"], 6) == 180.0 and round(t["producer_ttft_ms"], 6) == 350.0
+    assert round(t["bytes_per_token"], 3) == round(4096 * 2048 / 1536, 3)  # 96 pages padded to 128
+    assert bench.long_prompt_times(results, {**counts, "num_kv_transfers_total": 3}, (0.7, 2)) == {}
