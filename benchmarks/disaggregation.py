@@ -18,6 +18,8 @@ seconds (/proc), the rest of the machine's (other sessions), the streams' gaps s
 prompt was waiting for its first token on their engine, and for the disaggregated pair the consumer's
 KV-transfer counts and the producer's own TTFT (its /metrics histogram).
 
+Then one run per set-up of the streams alone (no long prompt): the decode side's own ITL and throughput.
+
 KV transfer: lone prompts of each `--transfer-lens` length, one at a time (`--transfer-repeat` each, after
 an untimed one), against the consumer, then against colocated engine A: per request the consumer's stats
 deltas (bytes, tokens, pull time offer -> pages arrived, the producer's Generate call) and the producer's
@@ -412,15 +414,18 @@ def compare_table(runs: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"| {setup} | {m['itl_p50']:.1f} ms | {m['itl_p99']:.1f} ms | {m['itl_max']:.0f} ms | "
                      f"{m['stream_ttft_p50']:.0f} ms | {m['stream_ttft_p99']:.0f} ms | {m['long_ttft_p50']:.0f} ms | "
                      f"{m['long_ttft_p99']:.0f} ms | {m['throughput']:.0f} | {m['failed']:.0f} |")
-    if {"colocated", "disaggregated"} <= med.keys():
-        co, dis = med["colocated"], med["disaggregated"]
-        each = [(c["summary"]["itl_ms"]["p99"] / d["summary"]["itl_ms"]["p99"],
-                 d["summary"]["stream_throughput"] / c["summary"]["stream_throughput"])
-                for c, d in zip(runs["colocated"], runs["disaggregated"], strict=True)]
-        lines.append(f"\np99 ITL colocated / disaggregated: {co['itl_p99'] / dis['itl_p99']:.2f}x (per run pair: "
-                     + ", ".join(f"{e[0]:.2f}" for e in each) + ")")
-        lines.append(f"output throughput disaggregated / colocated: {dis['throughput'] / co['throughput']:.2f}x "
-                     "(per run pair: " + ", ".join(f"{e[1]:.2f}" for e in each) + ")")
+    for suffix in ("", ", streams only"):
+        colocated, disaggregated = f"colocated{suffix}", f"disaggregated{suffix}"
+        if {colocated, disaggregated} <= med.keys():
+            co, dis = med[colocated], med[disaggregated]
+            each = [(c["summary"]["itl_ms"]["p99"] / d["summary"]["itl_ms"]["p99"],
+                     d["summary"]["stream_throughput"] / c["summary"]["stream_throughput"])
+                    for c, d in zip(runs[colocated], runs[disaggregated], strict=True)]
+            lines.append(f"\n{suffix.lstrip(', ') or 'with the long prompts'}: p99 ITL colocated / disaggregated: "
+                         f"{co['itl_p99'] / dis['itl_p99']:.2f}x (per run pair: "
+                         + ", ".join(f"{e[0]:.2f}" for e in each) + "); output throughput disaggregated / colocated: "
+                         f"{dis['throughput'] / co['throughput']:.2f}x (per run pair: "
+                         + ", ".join(f"{e[1]:.2f}" for e in each) + ")")
     return "\n".join(lines)
 
 
@@ -499,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-repeat", type=int, default=3)
     p.add_argument("--transfer-output-len", type=int, default=4)
     p.add_argument("--no-control", action="store_true", help="skip two_core_check.py before and after")
+    p.add_argument("--no-streams-only", dest="streams_only", action="store_false",
+                   help="skip the one run per set-up of the streams alone, after the timed runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the markdown tables here")
     p.add_argument("--result-file", default=None, help="write every run's summary and counts here (JSON)")
@@ -531,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run {i + 1} {setup:<14} ITL p50 {s['itl_ms']['p50']:.1f} p99 {s['itl_ms']['p99']:.1f} ms  "
                       f"long TTFT p50 {(s['long_prompt_ttft_ms'] or {}).get('p50', 0):.0f} ms  "
                       f"{s['stream_throughput']:.0f} tok/s  ({s['duration_s']:.0f} s)", flush=True)
+        if args.streams_only:  # the decode side alone: what each set-up does with no prompt to prefill
+            quiet = argparse.Namespace(**{**vars(args), "long_prompt_len": 0})
+            for setup in ("colocated", "disaggregated"):
+                runs[f"{setup}, streams only"] = [run_setup(setups, setup, quiet, vocab, args.seed + 500)]
         lone = transfer_rows(setups, args, vocab) if args.transfer_lens else []
     finally:
         setups.stop()

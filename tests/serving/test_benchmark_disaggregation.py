@@ -104,8 +104,11 @@ def test_the_table_gives_medians_and_the_ratios_of_the_targets() -> None:
             "disaggregated": [_run(10, 900), _run(8, 950), _run(20, 800)]}
     text = bench.compare_table(runs)
     assert "| colocated | 5.0 ms | 50.0 ms | 100 ms |" in text and "| 1000 |" in text
-    assert "p99 ITL colocated / disaggregated: 5.00x (per run pair: 5.00, 5.00, 3.00)" in text
-    assert "output throughput disaggregated / colocated: 0.90x (per run pair: 0.90, 1.06, 0.73)" in text
+    assert ("with the long prompts: p99 ITL colocated / disaggregated: 5.00x (per run pair: 5.00, 5.00, 3.00); "
+            "output throughput disaggregated / colocated: 0.90x (per run pair: 0.90, 1.06, 0.73)") in text
+    runs |= {"colocated, streams only": [_run(20, 1000)], "disaggregated, streams only": [_run(10, 500)]}
+    assert ("streams only: p99 ITL colocated / disaggregated: 2.00x (per run pair: 2.00); output throughput "
+            "disaggregated / colocated: 0.50x (per run pair: 0.50)") in bench.compare_table(runs)
 
 
 def test_a_long_prompt_s_ttft_is_split_into_producer_pull_and_consumer() -> None:
