@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-until", type=float, default=120.0, help="no long prompt after this (s), nor after "
                    "the last stream has ended")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per set-up, alternating")
-    p.add_argument("--transfer-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    p.add_argument("--transfer-lens", type=lambda s: [int(x) for x in s.split(",") if x], default=[1024, 2048, 4096],
+                   help="lone prompt lengths for the KV transfer (\"\": none)")
     p.add_argument("--transfer-repeat", type=int, default=3)
     p.add_argument("--transfer-output-len", type=int, default=4)
     p.add_argument("--no-control", action="store_true", help="skip two_core_check.py before and after")
