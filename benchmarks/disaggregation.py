@@ -234,7 +234,7 @@ class Setups:
 
     def __init__(self, args: argparse.Namespace, model: str) -> None:
         flags = ["--model", model, *args.serve_args.split()]
-        port = serving_free_port()
+        port = free_port()
         with ThreadPoolExecutor(4) as pool:  # each compiles on its own core
             a = pool.submit(serving.LocalServer, flags, [0])
             b = pool.submit(serving.LocalServer, flags, [1])
@@ -260,10 +260,11 @@ class Setups:
             server.stop()
 
 
-def serving_free_port() -> int:
-    from jaxcpp.head.mp_executor import free_port
+def free_port() -> int:
+    """A free loopback port: the producer's, known before it starts, so the consumer can start beside it."""
+    from jaxcpp.head.mp_executor import free_port as free
 
-    return free_port()
+    return free()
 
 
 def run_setup(setups: Setups, setup: str, args: argparse.Namespace, vocab: tuple[int, set[int]],
