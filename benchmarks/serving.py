@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -386,12 +387,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 class LocalServer:
-    """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM."""
+    """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM. `cpus`: pinned to these cores
+    (set in the child before exec, so every thread it starts inherits them, as with `taskset -c`)."""
 
-    def __init__(self, serve_args: list[str]) -> None:
+    def __init__(self, serve_args: list[str], cpus: list[int] | None = None) -> None:
         cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--http-port", "0",
                "--log-level", "warning", *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("jaxcpp: serving"):
