@@ -234,14 +234,15 @@ class Setups:
 
     def __init__(self, args: argparse.Namespace, model: str) -> None:
         flags = ["--model", model, *args.serve_args.split()]
-        port = free_port()
+        port, pin_at_exec = free_port(), args.pin_at_exec
         with ThreadPoolExecutor(4) as pool:  # each compiles on its own core
-            a = pool.submit(serving.LocalServer, flags, [0])
-            b = pool.submit(serving.LocalServer, flags, [1])
+            a = pool.submit(serving.LocalServer, flags, [0], pin_at_exec)
+            b = pool.submit(serving.LocalServer, flags, [1], pin_at_exec)
             self.a, self.b = a.result(), b.result()
-            p = pool.submit(serving.LocalServer, [*flags, "--port", str(port), "--kv-transfer-config", PRODUCER], [0])
+            p = pool.submit(serving.LocalServer, [*flags, "--port", str(port), "--kv-transfer-config", PRODUCER], [0],
+                            pin_at_exec)
             c = pool.submit(serving.LocalServer, [*flags, "--kv-transfer-config", CONSUMER,
-                                                  "--prefill-servers", f"127.0.0.1:{port}"], [1])
+                                                  "--prefill-servers", f"127.0.0.1:{port}"], [1], pin_at_exec)
             self.producer, self.consumer = p.result(), c.result()
 
     @property
@@ -508,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-control", action="store_true", help="skip two_core_check.py before and after")
     p.add_argument("--no-streams-only", dest="streams_only", action="store_false",
                    help="skip the one run per set-up of the streams alone, after the timed runs")
+    p.add_argument("--pin-at-exec", action="store_true",
+                   help="pin each server before exec (XLA:CPU then makes a one-thread pool, on which jax's transfer "
+                        "server sends too); default: once it is up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the markdown tables here")
     p.add_argument("--result-file", default=None, help="write every run's summary and counts here (JSON)")

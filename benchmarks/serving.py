@@ -387,19 +387,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 class LocalServer:
-    """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM. `cpus`: pinned to these cores
-    (set in the child before exec, so every thread it starts inherits them, as with `taskset -c`)."""
+    """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM. `cpus`: pinned to these cores.
+    `pin_at_exec`: set in the child before exec (as `taskset -c` does), so XLA:CPU sizes its thread pool
+    for those cores; by default every thread is pinned once the server is up instead, as stage processes
+    pin themselves (`jaxcpp.runtime.stage_process.pin_to_cores`): the pool keeps a thread per machine
+    core, and jax's transfer server, which sends on that pool, is not held behind the computations."""
 
-    def __init__(self, serve_args: list[str], cpus: list[int] | None = None) -> None:
+    def __init__(self, serve_args: list[str], cpus: list[int] | None = None, pin_at_exec: bool = False) -> None:
         cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--http-port", "0",
                "--log-level", "warning", *serve_args]
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None and pin_at_exec else None
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("jaxcpp: serving"):
                 self.target = line.split(" on ")[1].split()[0]
                 self.http_url = next((w for w in line.split() if w.startswith("http")), "")
+                if cpus is not None and not pin_at_exec:
+                    for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+                        os.sched_setaffinity(int(task), cpus)
                 return
         raise SystemExit(f"server exited with {self.proc.wait()}: {' '.join(cmd)}")
 
