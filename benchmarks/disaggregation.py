@@ -46,15 +46,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from jaxcpp.core.sizing import page_bytes
+from jaxcpp.head.mp_executor import free_port
 from jaxcpp.serving.client import AsyncClient, Client
 
 HERE = Path(__file__).resolve().parent
-KV_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # The random Llama: bigger than the bundled `tiny` (and with room for a 4K prompt), small enough that a
 # run takes well under a minute on 2 CPU cores.
 RANDOM_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
@@ -101,10 +102,9 @@ def kv_bytes_per_token(model: str, kv_cache_dtype: str) -> int:
     if not path.exists():
         raise SystemExit(f"--model {model}: no config.json to read the KV layout from")
     c = json.loads(path.read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    if kv_cache_dtype not in KV_ITEMSIZE:
-        raise SystemExit(f"kv_cache_dtype {kv_cache_dtype!r}: itemsize unknown (known: {', '.join(KV_ITEMSIZE)})")
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * KV_ITEMSIZE[kv_cache_dtype]
+    layout = SimpleNamespace(num_key_value_heads=c["num_key_value_heads"],
+                             head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    return page_bytes(layout, c["num_hidden_layers"], 1, kv_cache_dtype)  # it reads those two fields
 
 
 # -- the workload -------------------------------------------------------------------------------
@@ -216,8 +216,7 @@ def engine_counts(target: str) -> dict[str, int]:
 
 def engine_ttft(server: Any) -> tuple[float, float]:
     """(sum, count) of the server's own TTFT histogram (admission -> first token)."""
-    total, count = serving._engine_ttft(server.http_url)
-    return total, count
+    return serving._engine_ttft(server.http_url)
 
 
 def delta(after: dict[str, int], before: dict[str, int], keys: tuple[str, ...]) -> dict[str, int]:
@@ -234,7 +233,7 @@ class Setups:
 
     def __init__(self, args: argparse.Namespace, model: str) -> None:
         flags = ["--model", model, *args.serve_args.split()]
-        port, pin_at_exec = free_port(), args.pin_at_exec
+        port, pin_at_exec = free_port(), args.pin_at_exec  # the producer's, so the consumer can start beside it
         with ThreadPoolExecutor(4) as pool:  # each compiles on its own core
             a = pool.submit(serving.LocalServer, flags, [0], pin_at_exec)
             b = pool.submit(serving.LocalServer, flags, [1], pin_at_exec)
@@ -259,13 +258,6 @@ class Setups:
     def stop(self) -> None:
         for server in self.all.values():
             server.stop()
-
-
-def free_port() -> int:
-    """A free loopback port: the producer's, known before it starts, so the consumer can start beside it."""
-    from jaxcpp.head.mp_executor import free_port as free
-
-    return free()
 
 
 def run_setup(setups: Setups, setup: str, args: argparse.Namespace, vocab: tuple[int, set[int]],
