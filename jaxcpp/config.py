@@ -8,6 +8,7 @@ Host-side: no jax here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import json
 import logging
@@ -293,11 +294,21 @@ class KVSettings:
 
     @property
     def produces(self) -> bool:
-        return self.role in ("kv_producer", "kv_both")
+        return produces(self.role)
 
     @property
     def consumes(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
+
+    @property
+    def only_consumes(self) -> bool:
+        """A kv_consumer: it never prefills (never chunks dynamically) and pulls into its own process."""
+        return self.role == "kv_consumer"
+
+
+def produces(role: str) -> bool:
+    """Whether an instance with this kv_role (as its model info names it) prefills for consumers."""
+    return role in ("kv_producer", "kv_both")
 
 
 @dataclass(frozen=True)
@@ -317,7 +328,7 @@ class KVTransferConfig:
         consumes = settings is not None and settings.consumes
         _require(self.prefill_servers is None or consumes, "prefill_servers",
                  "is for a consumer: add --kv-transfer-config '{\"kv_role\": \"kv_consumer\"}'")
-        _require(self.prefill_servers is not None or settings is None or settings.role != "kv_consumer",
+        _require(self.prefill_servers is not None or settings is None or not settings.only_consumes,
                  "prefill_servers", "a kv_consumer needs the producers' addresses")
         for server in self.prefill_server_list():
             host, _, port = server.rpartition(":")
@@ -328,6 +339,10 @@ class KVTransferConfig:
 
     def settings(self) -> KVSettings | None:
         """The parsed --kv-transfer-config, or None when this instance is not disaggregated."""
+        return self._parsed
+
+    @functools.cached_property
+    def _parsed(self) -> KVSettings | None:  # parsed once (a frozen dataclass keeps a cached_property)
         if self.kv_transfer_config is None:
             return None
         name = "kv_transfer_config"
@@ -441,11 +456,11 @@ class EngineConfig:
         # calculated fp8 scales are each instance's own, from its first prefill: pages would cross with the wrong ones
         _require(kv is None or not self.cache.calculate_kv_scales, "calculate_kv_scales",
                  "cannot be used with --kv-transfer-config: producer and consumer must share the checkpoint's scales")
-        if kv is not None and kv.role == "kv_consumer":
+        if kv is not None and kv.consumes and self.kv_transfer.prefill_servers is not None:
             _require(self.parallel.executor_backend == "inproc", "kv_transfer_config",
                      "a kv_consumer pulls KV pages into the stages of its own process: "
                      "--distributed-executor-backend inproc (the default on one host)")
-        if self.chunking.enable_dynamic_chunking and self.dynamic_chunking_refused():
+        if self.chunking.enable_dynamic_chunking and kv is not None and kv.only_consumes:
             log.warning("--enable-dynamic-chunking is off on a kv_consumer: it decodes, the producers prefill "
                         "(turn it on there)")
         elif self.chunking.enable_dynamic_chunking:
@@ -454,14 +469,11 @@ class EngineConfig:
             _require(self.scheduler.enable_chunked_prefill, "enable_dynamic_chunking",
                      "needs chunked prefill (drop --no-enable-chunked-prefill)")
 
-    def dynamic_chunking_refused(self) -> bool:
-        """A kv_consumer never prefills, so it never chunks dynamically (as ATOM: off with a warning)."""
-        kv = self.kv_transfer.settings()
-        return kv is not None and kv.role == "kv_consumer"
-
     @property
     def dynamic_chunking(self) -> bool:
-        return self.chunking.enable_dynamic_chunking and not self.dynamic_chunking_refused()
+        """--enable-dynamic-chunking, but never on a kv_consumer, which does not prefill (as ATOM: off, warned)."""
+        kv = self.kv_transfer.settings()
+        return self.chunking.enable_dynamic_chunking and not (kv is not None and kv.only_consumes)
 
     @staticmethod
     def from_kwargs(**kwargs: Any) -> EngineConfig:

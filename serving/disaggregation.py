@@ -25,11 +25,12 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from jaxcpp.config import produces
 from jaxcpp.core.kv_transfer import KVLayout, KVOffer, KVSource, KVTransferRequest, RemoteDone, RemoteJob
 from jaxcpp.core.outputs import ModelInfo, TokenLogprobs
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
@@ -65,18 +66,17 @@ def layout_from_proto(msg: pb.KvLayout) -> KVLayout:
 def offer_to_proto(offer: KVOffer) -> pb.KvOffer:
     return pb.KvOffer(sources=[pb.KvSource(address=s.address, first_layer=s.first_layer, end_layer=s.end_layer)
                                for s in offer.sources],
-                      num_pages=offer.num_pages, num_pages_padded=offer.num_pages_padded)
+                      num_pages=offer.num_pages)
 
 
 def offer_from_proto(msg: pb.KvOffer) -> KVOffer:
-    return KVOffer(tuple(KVSource(s.address, s.first_layer, s.end_layer) for s in msg.sources), msg.num_pages,
-                   msg.num_pages_padded)
+    return KVOffer(tuple(KVSource(s.address, s.first_layer, s.end_layer) for s in msg.sources), msg.num_pages)
 
 
 def kv_transfer_from_proto(msg: pb.KvTransferRequest, info: ModelInfo, peer: str
                            ) -> tuple[KVTransferRequest | None, str | None]:
     """A producer's side of a consumer's request: the ask, or why it is refused (naming both sides)."""
-    if info.kv_role not in ("kv_producer", "kv_both"):
+    if not produces(info.kv_role):
         return None, (f"kv_transfer: this server is not a kv_producer (its --kv-transfer-config kv_role is "
                       f"{info.kv_role or 'unset'})")
     mismatch = info.kv_layout.mismatch(layout_from_proto(msg.layout), "this producer", f"consumer {peer}")
@@ -105,6 +105,10 @@ class _Retry(Exception):
     """This producer failed the request in a way another producer may not: try the next one."""
 
 
+class _Fatal(Exception):
+    """The producer refused the request itself: another would too."""
+
+
 @dataclass
 class _Producer:
     target: str
@@ -114,12 +118,6 @@ class _Producer:
     checked: bool = False
     refused: str | None = None   # its KV layout differs: never used
     down_until: float = 0.0
-
-
-@dataclass
-class _Jobs:
-    calls: dict[str, Any] = field(default_factory=dict)   # running Generate calls, by request id
-    cancelled: set[str] = field(default_factory=set)
 
 
 class GrpcRemotePrefill:
@@ -137,7 +135,8 @@ class GrpcRemotePrefill:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="jaxcpp-remote-prefill")
         self._done: queue.SimpleQueue[RemoteDone] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._jobs = _Jobs()
+        self._calls: dict[RemoteJob, Any] = {}   # each job's running Generate call
+        self._cancelled: set[RemoteJob] = set()
         self._transfer_ids = itertools.count(secrets.randbits(62))  # unique per consumer; a restart starts afresh
         log.info("kv_consumer: %d producer(s): %s", len(self._producers), ", ".join(p.target for p in self._producers))
 
@@ -150,10 +149,10 @@ class GrpcRemotePrefill:
     def start(self, job: RemoteJob) -> None:
         self._pool.submit(self._run, job)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, job: RemoteJob) -> None:
         with self._lock:
-            self._jobs.cancelled.add(request_id)
-            call = self._jobs.calls.get(request_id)
+            self._cancelled.add(job)
+            call = self._calls.get(job)
         if call is not None:
             call.cancel()  # the producer aborts it and frees its pages
 
@@ -178,9 +177,9 @@ class GrpcRemotePrefill:
             done = self._prefill(job)
         except Exception as e:  # noqa: BLE001 - a bug here must end the request, not hang it
             log.exception("remote prefill of %r failed", job.request_id)
-            done = RemoteDone(job.request_id, error=f"remote prefill failed: {e!r}")
+            done = RemoteDone(job, error=f"remote prefill failed: {e!r}")
         with self._lock:
-            self._jobs.cancelled.discard(job.request_id)
+            self._cancelled.discard(job)
         self._done.put(done)
 
     def _prefill(self, job: RemoteJob) -> RemoteDone:
@@ -191,15 +190,15 @@ class GrpcRemotePrefill:
             try:
                 return self._prefill_on(producer, job)
             except _Fatal as e:
-                return RemoteDone(job.request_id, error=str(e))
+                return RemoteDone(job, error=str(e))
             except _Retry as e:
                 log.warning("producer %s failed request %r (%s); trying another", producer.target, job.request_id, e)
                 errors.append(f"producer {producer.target}: {e}")
                 producer.down_until = time.monotonic() + PRODUCER_DOWN_S
-            if self._is_cancelled(job.request_id):
-                return RemoteDone(job.request_id, error="aborted")
+            if self._is_cancelled(job):
+                return RemoteDone(job, error="aborted")
         refused = [p.refused for p in self._producers if p.refused is not None]
-        return RemoteDone(job.request_id, error="no producer could prefill it: " + "; ".join(errors + refused))
+        return RemoteDone(job, error="no producer could prefill it: " + "; ".join(errors + refused))
 
     def _pick(self, tried: set[str]) -> _Producer | None:
         """The least-loaded compatible producer not tried yet, preferring those not recently failed."""
@@ -242,7 +241,7 @@ class GrpcRemotePrefill:
             log.warning("producer %s: %s", producer.target, _describe(e))
             return  # unreachable now: tried like the others, checked on a later contact
         producer.checked = True
-        if info.kv_role not in ("kv_producer", "kv_both"):
+        if not produces(info.kv_role):
             producer.refused = (f"producer {producer.target}: not a kv_producer (kv_role "
                                 f"{info.kv_role or 'unset'})")
         else:
@@ -260,7 +259,7 @@ class GrpcRemotePrefill:
             kv_transfer=pb.KvTransferRequest(transfer_id=transfer_id, skip_pages=job.skip_pages,
                                              layout=layout_to_proto(self._layout)))
         started = time.perf_counter()
-        responses = self._call(producer, job.request_id, request)
+        responses = self._call(producer, job, request)
         offered = time.perf_counter()
         tokens = [t for r in responses for t in r.token_ids]
         last = responses[-1] if responses else None
@@ -274,16 +273,16 @@ class GrpcRemotePrefill:
             raise _Retry(f"pulling its pages failed: {e}") from e
         if pulled is None:
             raise _Retry(f"its pages did not arrive within the transfer timeout ({self._timeout_s:g}s)")
-        return RemoteDone(job.request_id, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None, pulled,
+        return RemoteDone(job, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None, pulled,
                           prefill_s=offered - started, transfer_s=time.perf_counter() - offered,
                           transfer_bytes=pulled.nbytes)
 
-    def _call(self, producer: _Producer, request_id: str, request: pb.GenerateRequest) -> list[Any]:
+    def _call(self, producer: _Producer, job: RemoteJob, request: pb.GenerateRequest) -> list[Any]:
         with self._lock:
-            if request_id in self._jobs.cancelled:
+            if job in self._cancelled:
                 return []
             call = producer.stub.Generate(request, metadata=self._metadata)
-            self._jobs.calls[request_id] = call
+            self._calls[job] = call
             producer.in_flight += 1
         try:
             return list(call)
@@ -293,20 +292,12 @@ class GrpcRemotePrefill:
             raise _Retry(_describe(e)) from e
         finally:
             with self._lock:
-                self._jobs.calls.pop(request_id, None)
+                self._calls.pop(job, None)
                 producer.in_flight -= 1
 
-    def _is_cancelled(self, request_id: str) -> bool:
+    def _is_cancelled(self, job: RemoteJob) -> bool:
         with self._lock:
-            return request_id in self._jobs.cancelled
-
-    @property
-    def producers(self) -> list[str]:
-        return [p.target for p in self._producers]
-
-
-class _Fatal(Exception):
-    """The producer refused the request itself: another would too."""
+            return job in self._cancelled
 
 
 def _describe(e: grpc.RpcError) -> str:

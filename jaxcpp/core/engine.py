@@ -36,7 +36,7 @@ from jaxcpp.core.kv_transfer import KVLayout, KVTransferRequest, RemoteDone, Rem
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
-from jaxcpp.core.sequence import Sequence, SequenceStatus
+from jaxcpp.core.sequence import Sequence
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.core.step_input import build_step_input
@@ -86,7 +86,7 @@ class LLMEngine:
         self.kv = config.kv_transfer.settings()   # None: not disaggregated
         self.kv_layout = KVLayout.of(self.sizing)
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
-        self._remote_skip: dict[str, int] = {}    # a consumer's requests with a job running: pages they had
+        self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
         self._transfers = TransferCounts()
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
@@ -166,9 +166,9 @@ class LLMEngine:
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return
-        if seq.status is SequenceStatus.REMOTE and self.remote is not None:
-            self.remote.cancel(request_id)  # its pull may still land: it is dropped, never written
-            self._remote_skip.pop(request_id, None)
+        job = self._remote_jobs.pop(request_id, None)
+        if job is not None and self.remote is not None:
+            self.remote.cancel(job)  # its pull may still land: it is dropped, never written
         self.scheduler.finish(seq, reason, time.monotonic())
         self._aborted.append(self._output(seq, []))
 
@@ -199,21 +199,22 @@ class LLMEngine:
         """Start the remote prefills pages allow, and admit the ones whose pages have arrived. With nothing
         else to do, wait a little for one (the loop would spin otherwise)."""
         assert self.remote is not None
-        for seq in [s for s in self.scheduler.remote if s.request_id not in self._remote_skip]:
+        for seq in [s for s in self.scheduler.remote if s.request_id not in self._remote_jobs]:
             skip = self.scheduler.reserve_remote(seq)
             if skip is None:
                 break  # first come, first served: later ones wait for pages too
-            self._remote_skip[seq.request_id] = skip
-            self.remote.start(RemoteJob(seq.request_id, seq.prompt_token_ids, seq.params, seq.seed, skip))
+            job = self._remote_jobs[seq.request_id] = RemoteJob(seq.request_id, seq.prompt_token_ids, seq.params,
+                                                                seq.seed, skip)
+            self.remote.start(job)
         idle = not (self._in_flight or self.scheduler.running or self.scheduler.waiting)
         return [out for done in self.remote.done(wait_s=0.005 if idle else 0.0) for out in self._admit_remote(done)]
 
     def _admit_remote(self, done: RemoteDone) -> list[RequestOutput]:
-        seq = self.scheduler.requests.get(done.request_id)
-        skip = self._remote_skip.pop(done.request_id, None)
-        if seq is None or seq.status is not SequenceStatus.REMOTE or skip is None:
+        job = done.job
+        if self._remote_jobs.get(job.request_id) is not job:
             return []  # aborted meanwhile: its pages are free already, its pull is dropped
-        now = time.monotonic()
+        del self._remote_jobs[job.request_id]
+        seq, skip, now = self.scheduler.requests[job.request_id], job.skip_pages, time.monotonic()
         if done.error is not None:
             self.scheduler.finish(seq, "error", now)
             return [dataclasses.replace(self._output(seq, []), error=done.error)]
@@ -280,9 +281,8 @@ class LLMEngine:
         for chunk in sched.chunks:
             seq, ask = chunk.seq, chunk.seq.kv_transfer
             if chunk.samples and ask is not None and not seq.is_finished:
-                prompt_pages = -(-len(seq.prompt_token_ids) // self.sizing.page_size)
-                seq.kv_offer = self.executor.offer_kv(ask.transfer_id,  # type: ignore[attr-defined]
-                                                      seq.pages[ask.skip_pages:prompt_pages])
+                seq.kv_offer = self.executor.offer_kv(  # type: ignore[attr-defined]
+                    ask.transfer_id, seq.pages[ask.skip_pages:seq.num_prompt_pages(self.sizing.page_size)])
 
     def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Garbage from a device must not become a request's output: ids outside the vocabulary fail the

@@ -79,33 +79,34 @@ class KVOffer:
 
     sources: tuple[KVSource, ...]
     num_pages: int
-    num_pages_padded: int
 
-
-def page_buckets(pages_per_seq: int) -> list[int]:
-    """Page counts the gather and scatter programs are compiled for: powers of two, up to the first that
-    holds a whole sequence's pages. Powers of two on both sides, so a producer's bucket is one its
-    consumer has, whatever either's --max-model-len."""
-    buckets = [1]
-    while buckets[-1] < pages_per_seq:
-        buckets.append(2 * buckets[-1])
-    return buckets
+    @property
+    def num_pages_padded(self) -> int:
+        return page_bucket(self.num_pages)
 
 
 def page_bucket(num_pages: int) -> int:
-    """The bucket a transfer of `num_pages` pages is padded to."""
+    """The page count a transfer of `num_pages` pages is padded to: the next power of two. Powers of two on
+    both sides, so a producer's bucket is one its consumer has, whatever either's --max-model-len."""
     return 1 << max(0, num_pages - 1).bit_length()
 
 
-def padded_pages(pages: list[int], size: int) -> list[int]:
-    """`pages` padded with the reserved page 0 to `size`: padding reads and writes only page 0."""
-    return pages + [0] * (size - len(pages))
+def page_buckets(pages_per_seq: int) -> list[int]:
+    """Page counts the gather and scatter programs are compiled for: up to a whole sequence's bucket."""
+    return [1 << i for i in range(page_bucket(pages_per_seq).bit_length())]
 
 
-@dataclass(frozen=True)
+def padded_pages(pages: list[int]) -> list[int]:
+    """`pages` padded with the reserved page 0 to their bucket: padding reads and writes only page 0."""
+    return pages + [0] * (page_bucket(len(pages)) - len(pages))
+
+
+@dataclass(frozen=True, eq=False)
 class RemoteJob:
     """A consumer's request for a producer: its prompt, its sampling (the seed drawn here, so a producer
-    samples the first token as this engine would have) and the pages it already holds."""
+    samples the first token as this engine would have) and the pages it already holds. Compared by
+    identity: a request aborted and sent again under its id is a new job, which the old one's end
+    (`RemoteDone.job`) is never taken for."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -118,7 +119,7 @@ class RemoteJob:
 class RemoteDone:
     """A remote prefill that ended: its first token and pulled pages (arrived, not yet written), or why not."""
 
-    request_id: str
+    job: RemoteJob
     first_token: int = -1
     logprobs: TokenLogprobs | None = None
     pulled: Any = None        # the executor's pull (`pull_kv`), for `import_kv`
@@ -152,7 +153,7 @@ class RemotePrefill(Protocol):
 
     def start(self, job: RemoteJob) -> None: ...
 
-    def cancel(self, request_id: str) -> None: ...
+    def cancel(self, job: RemoteJob) -> None: ...
 
     def done(self, wait_s: float) -> list[RemoteDone]:
         """Jobs ended since the last call, waiting up to `wait_s` for one when there are none."""

@@ -404,7 +404,7 @@ class Scheduler:
         """Pages for a remote request's whole prompt, its cached prefix first; the number of cached pages
         (the producer offers the rest), or None with nothing changed when the pages are not there."""
         hits = self._cached_prefix(seq)
-        need = -(-len(seq.prompt_token_ids) // self.page_size) - len(hits)
+        need = seq.num_prompt_pages(self.page_size) - len(hits)
         if not self.allocator.can_allocate(need, reusing=hits):
             return None
         self.allocator.acquire(hits)

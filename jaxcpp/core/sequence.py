@@ -114,6 +114,10 @@ class Sequence:
             self._page_hashes = PageHashes(page_size, self.token_ids)
         return self._page_hashes.first(num_pages)
 
+    def num_prompt_pages(self, page_size: int) -> int:
+        """Pages its prompt's K/V fill (the last one partly): what moves in a KV transfer."""
+        return -(-len(self.prompt_token_ids) // page_size)
+
     def pages_needed(self, num_new_tokens: int, page_size: int) -> int:
         """More pages this sequence needs before `num_new_tokens` more tokens can be written."""
         total = -(-(self.num_computed_tokens + num_new_tokens) // page_size)

@@ -50,7 +50,7 @@ from typing import Any
 
 from jaxcpp.config import EngineConfig
 from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
-from jaxcpp.core.kv_transfer import KVOffer, KVSource, page_bucket
+from jaxcpp.core.kv_transfer import KVOffer, KVSource
 from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head import wire
@@ -557,8 +557,7 @@ class MultiProcessExecutor:
         the steps on its control channel (so later steps may reuse the pages); nothing waits here."""
         self._raise_if_failed()
         self._broadcast({"op": "offer_kv", "id": transfer_id, "pages": pages})
-        return KVOffer(tuple(KVSource(ln.transfer, *ln.layers) for ln in self.links), len(pages),
-                       page_bucket(len(pages)))
+        return KVOffer(tuple(KVSource(ln.transfer, *ln.layers) for ln in self.links), len(pages))
 
     def _broadcast(self, header: dict[str, Any], arrays: list[Any] = ()) -> None:  # type: ignore[assignment]
         for ln in self.links:

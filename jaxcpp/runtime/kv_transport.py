@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxcpp.core.kv_transfer import KVOffer, KVSource, padded_pages, page_bucket
+from jaxcpp.core.kv_transfer import KVOffer, KVSource, padded_pages
 from jaxcpp.runtime.stage import Stage
 
 
@@ -53,7 +53,7 @@ class KVTransport:
 
 def gather_offer(stages: list[Stage], pages: list[int]) -> list[jax.Array]:
     """The stages' arrays of `pages` in offer order (K of every layer, then V), dispatched, not awaited."""
-    padded = np.asarray(padded_pages(pages, page_bucket(len(pages))), np.int32)
+    padded = np.asarray(padded_pages(pages), np.int32)
     per_stage = [stage.gather_pages(padded) for stage in stages]
     halves = [len(arrays) // 2 for arrays in per_stage]
     return ([a for arrays, h in zip(per_stage, halves, strict=True) for a in arrays[:h]]
@@ -65,12 +65,12 @@ class PulledPages:
 
     def __init__(self, transport: KVTransport, stages: list[Stage], offer: KVOffer, transfer_id: int) -> None:
         self.stages = stages
-        self.num_pages, self.num_pages_padded = offer.num_pages, offer.num_pages_padded
+        self.num_pages = offer.num_pages
         self.k: dict[int, jax.Array] = {}
         self.v: dict[int, jax.Array] = {}
         for source in offer.sources:
             layers = range(source.first_layer, source.end_layer)
-            avals = [_layer_aval(stages, layer, offer.num_pages_padded) for layer in layers]
+            avals = [_stage_of(stages, layer).pages_aval(offer.num_pages_padded) for layer in layers]
             arrays = transport.pull(source, transfer_id, avals + avals)
             self.k.update(zip(layers, arrays[:len(avals)], strict=True))
             self.v.update(zip(layers, arrays[len(avals):], strict=True))
@@ -95,12 +95,11 @@ class PulledPages:
     def write_into(self, pages: list[int]) -> None:
         """Scatter into each stage's `pages` (the consumer's own, as many as the offer's)."""
         assert len(pages) == self.num_pages, (len(pages), self.num_pages)
-        padded = np.asarray(padded_pages(pages, self.num_pages_padded), np.int32)
+        padded = np.asarray(padded_pages(pages), np.int32)
         for stage in self.stages:
             layers = range(*stage.layers)
             stage.import_pages([self.k[i] for i in layers] + [self.v[i] for i in layers], padded)
 
 
-def _layer_aval(stages: list[Stage], layer: int, num_pages: int) -> jax.ShapeDtypeStruct:
-    stage = next(s for s in stages if s.layers[0] <= layer < s.layers[1])
-    return stage.pages_aval(num_pages)[0]
+def _stage_of(stages: list[Stage], layer: int) -> Stage:
+    return next(s for s in stages if s.layers[0] <= layer < s.layers[1])

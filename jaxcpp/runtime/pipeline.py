@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxcpp.config import KVSettings
 from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
-from jaxcpp.core.kv_transfer import KVOffer, KVSource, page_bucket, page_buckets
+from jaxcpp.core.kv_transfer import KVOffer, KVSource
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
@@ -81,10 +81,7 @@ class PipelineExecutor:
         start = time.perf_counter()
         compile_buckets(self.stages, shape, lambda i, num_tokens, seconds: log.info(
             "compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets), len(self.stages),
-            num_tokens, seconds))
-        if self._kv is not None:
-            for stage in self.stages:
-                stage.compile_page_transfers(page_buckets(shape.pages_per_seq), self._kv.produces, self._kv.consumes)
+            num_tokens, seconds), self._kv)
         for num_tokens in buckets:
             step_id = next(self._warmup_ids)
             self.submit(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True, want_logprobs=True,
@@ -179,7 +176,7 @@ class PipelineExecutor:
         assert self._kv is not None and self._transport is not None, "offer_kv needs --kv-transfer-config"
         self._transport.offer(transfer_id, gather_offer(self.stages, pages), self._kv.transfer_timeout_s)
         source = KVSource(self._transport.address, self.stages[0].layers[0], self.stages[-1].layers[1])
-        return KVOffer((source,), len(pages), page_bucket(len(pages)))
+        return KVOffer((source,), len(pages))
 
     def pull_kv(self, offer: KVOffer, transfer_id: int, deadline: float) -> PulledPages | None:
         """Pull an offer onto the stages' devices and wait for it (any thread but the engine's); None when

@@ -272,15 +272,14 @@ class Stage:
         then V, on the stage's first device: what a producer offers. A copy: the pages may be reused."""
         return self._gather(self.kv.k, self.kv.v, jax.device_put(pages, self.replicated))
 
-    def pages_aval(self, num_pages: int) -> list[jax.ShapeDtypeStruct]:
-        """What `gather_pages` returns (and a consumer pulls) for `num_pages` pages."""
+    def pages_aval(self, num_pages: int) -> jax.ShapeDtypeStruct:
+        """One of `gather_pages`'s arrays (one layer's K or V of `num_pages` pages), as a consumer pulls it."""
         _, _, page_size, heads, head_dim = self.kv.k.shape
-        one = jax.ShapeDtypeStruct((num_pages, page_size, heads, head_dim), self.kv_cache_dtype,
-                                   sharding=self._one_device)
-        return [one] * (2 * (self.layers[1] - self.layers[0]))
+        return jax.ShapeDtypeStruct((num_pages, page_size, heads, head_dim), self.kv_cache_dtype,
+                                    sharding=self._one_device)
 
     def import_pages(self, layers: list[jax.Array], pages: np.ndarray) -> None:
-        """Write pulled pages (`pages_aval`'s arrays, for this stage's layers) into its own `pages`."""
+        """Write pulled pages (`gather_pages`' arrays, for this stage's layers) into its own `pages`."""
         self.kv = self._scatter(self.kv, jax.device_put(layers, self.replicated),
                                 jax.device_put(pages, self.replicated))
 
@@ -291,7 +290,8 @@ class Stage:
             if gather:
                 self._gather.lower(self.kv.k, self.kv.v, pages).compile()
             if scatter:
-                layers = [self._aval(a.shape, a.dtype) for a in self.pages_aval(n)]
+                one = self.pages_aval(n)
+                layers = [self._aval(one.shape, one.dtype)] * (2 * (self.layers[1] - self.layers[0]))
                 self._scatter.lower(self.kv, layers, pages).compile()
 
     def run_prompt_logprobs(self, out: StepOutput) -> PromptLogprobs:

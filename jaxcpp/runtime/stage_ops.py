@@ -20,7 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxcpp.config import EngineConfig
+from jaxcpp.config import EngineConfig, KVSettings
+from jaxcpp.core.kv_transfer import page_buckets
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.step_input import StepShape
 from jaxcpp.kernels.backend import select_attention
@@ -89,9 +90,11 @@ def _weight_dtypes(params: Any) -> str:
     return " + ".join(sorted({np.asarray(x).dtype.name for x in jax.tree_util.tree_leaves(params)}, reverse=True))
 
 
-def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[int, int, float], None]) -> None:
+def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[int, int, float], None],
+                    kv: KVSettings | None = None) -> None:
     """Every stage's program for every bucket, `COMPILE_THREADS` buckets at a time; `report(i, num_tokens,
-    seconds)` as the i-th bucket (from 1) is compiled on every stage."""
+    seconds)` as the i-th bucket (from 1) is compiled on every stage. With `kv` (disaggregation), also a
+    producer's gather and a consumer's scatter program for every page bucket (`jaxcpp.core.kv_transfer`)."""
     buckets = shape.buckets
 
     def compile_bucket(num_tokens: int) -> tuple[int, float]:
@@ -103,6 +106,9 @@ def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[i
     with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
         for i, (num_tokens, seconds) in enumerate(pool.map(compile_bucket, buckets), 1):
             report(i, num_tokens, seconds)
+    if kv is not None:
+        for stage in stages:
+            stage.compile_page_transfers(page_buckets(shape.pages_per_seq), kv.produces, kv.consumes)
 
 
 def time_attention_free(stage: Any, batch: StageInput, hidden: Any, first_use: bool) -> tuple[float, Any]:

@@ -48,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxcpp.core.kv_transfer import padded_pages, page_bucket, page_buckets
 from jaxcpp.head import wire
 from jaxcpp.head.cluster import (
     check_local,
@@ -333,19 +332,17 @@ class StageWorker:
         buckets = self.shape.buckets
         compile_buckets([self.stage], self.shape, lambda i, num_tokens, seconds: self._send(
             {"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets), "num_tokens": num_tokens,
-             "seconds": seconds}))
-        if self._kv is not None and self._kv.produces:
-            self.stage.compile_page_transfers(page_buckets(self.shape.pages_per_seq), gather=True, scatter=False)
+             "seconds": seconds}), self._kv)
         for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
         self._send({"op": "reply", "what": "warmup"})
 
     def _offer_kv(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """A producer's request has sampled: this stage's layers of its pages, offered to the consumer."""
+        from jaxcpp.runtime.kv_transport import gather_offer
+
         assert self._kv is not None and self._kv_transport is not None, "the head offers only with kv settings"
-        pages = header["pages"]
-        padded = np.asarray(padded_pages(pages, page_bucket(len(pages))), np.int32)
-        self._kv_transport.offer(header["id"], self.stage.gather_pages(padded), self._kv.transfer_timeout_s)
+        self._kv_transport.offer(header["id"], gather_offer([self.stage], header["pages"]), self._kv.transfer_timeout_s)
 
     def _attention_free(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """The calibration sweep's forward, timed around the model call with its inputs ready."""

@@ -113,14 +113,12 @@ class KvSource(_message.Message):
     def __init__(self, address: _Optional[str] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ...) -> None: ...
 
 class KvOffer(_message.Message):
-    __slots__ = ("sources", "num_pages", "num_pages_padded")
+    __slots__ = ("sources", "num_pages")
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    NUM_PAGES_PADDED_FIELD_NUMBER: _ClassVar[int]
     sources: _containers.RepeatedCompositeFieldContainer[KvSource]
     num_pages: int
-    num_pages_padded: int
-    def __init__(self, sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., num_pages: _Optional[int] = ..., num_pages_padded: _Optional[int] = ...) -> None: ...
+    def __init__(self, sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "ttft_s", "e2e_s", "logprobs", "index", "prompt_logprobs", "stop_string", "num_cached_tokens", "kv_offer")

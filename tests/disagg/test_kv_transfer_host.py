@@ -42,6 +42,8 @@ def test_roles_parse_and_dynamic_chunking_is_refused_on_a_consumer(caplog):
     (dict(kv_transfer_config=CONSUMER, prefill_servers="10.0.0.2"), "--prefill-servers: expected host:port"),
     (dict(kv_transfer_config='{"kv_role": "kv_producer"}', kv_cache_dtype="fp8", calculate_kv_scales=True),
      "--calculate-kv-scales: cannot be used with --kv-transfer-config"),
+    (dict(kv_transfer_config='{"kv_role": "kv_both"}', prefill_servers="a:1", pipeline_parallel_size=2,
+          distributed_executor_backend="mp"), "--kv-transfer-config: a kv_consumer pulls KV pages"),
     (dict(kv_transfer_config=CONSUMER, prefill_servers="a:1", pipeline_parallel_size=2,
           distributed_executor_backend="mp"), "--kv-transfer-config: a kv_consumer pulls KV pages"),
 ])
@@ -54,7 +56,7 @@ def test_bad_settings_name_the_flag(kwargs, message):
 def test_page_buckets_are_powers_of_two_on_both_sides():
     assert page_buckets(16) == [1, 2, 4, 8, 16] and page_buckets(17) == [1, 2, 4, 8, 16, 32]
     assert [page_bucket(n) for n in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, 32]
-    assert padded_pages([7, 8, 9], 4) == [7, 8, 9, 0], "padding reads and writes the reserved page 0"
+    assert padded_pages([7, 8, 9]) == [7, 8, 9, 0], "padding reads and writes the reserved page 0"
 
 
 def test_a_layout_mismatch_names_every_field_and_both_sides():
