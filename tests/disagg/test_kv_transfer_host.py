@@ -104,3 +104,58 @@ def test_a_name_with_several_addresses_is_that_many_producers(monkeypatch):
     assert expand_targets(["prefill-leaders:50051", "127.0.0.1:5", "127.0.0.1:5"]) == [
         "10.1.0.7:50051", "10.1.0.9:50051", "127.0.0.1:5"]
     assert expand_targets(["no-such-host.invalid:50051"]) == ["no-such-host.invalid:50051"], "kept for later"
+
+
+class _FakeRemote:
+    """A RemotePrefill that ends jobs when the test says so; the pull is a token the executor records."""
+
+    def __init__(self) -> None:
+        self.started: list = []
+        self.ended: list = []
+
+    def start(self, job) -> None:
+        self.started.append(job)
+
+    def cancel(self, job) -> None:
+        pass
+
+    def done(self, wait_s: float) -> list:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_request_sent_again_under_its_id_never_takes_the_aborted_jobs_pages():
+    """Abort a remote request while its job runs, send another under the same id: the first job's end
+    (pages pulled for the old prompt) is dropped, the second's is written and admitted."""
+    from jaxcpp.core.engine import LLMEngine
+    from jaxcpp.core.fake_executor import FakeExecutor
+    from jaxcpp.core.kv_transfer import RemoteDone
+    from jaxcpp.sampling_params import SamplingParams
+
+    executor = FakeExecutor()
+    imported: list = []
+    executor.import_kv = lambda pulled, pages: imported.append(pulled)  # type: ignore[attr-defined]
+    config = EngineConfig.from_kwargs(model="tiny", max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256,
+                                      log_stats_interval_s=0, kv_transfer_config=CONSUMER, prefill_servers="p:1")
+    engine = LLMEngine(config, executor=executor)
+    remote = _FakeRemote()
+    engine.attach_remote_prefill(remote)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    engine.add_request("r", [5] * 40, params)
+    engine.step()
+    engine.abort_request("r")
+    engine.add_request("r", [6] * 20, params)
+    engine.step()
+    old, new = remote.started
+    assert old.request_id == new.request_id == "r" and old is not new
+    remote.ended = [RemoteDone(old, first_token=9, pulled="old pages"), RemoteDone(new, first_token=7, pulled="new")]
+    outputs = engine.step()
+    assert imported == ["new"], "the aborted job's pages are never written"
+    assert [o.new_token_ids for o in outputs if o.request_id == "r"][-1:] == [[7]]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_pages_used == 0
+    engine.close()
