@@ -270,10 +270,11 @@ def _generate(args: argparse.Namespace) -> int:
     sizing = EngineSizing.plan(config, resolve_model_spec(config.model.model, config.model.dtype))
     token_ids = prompt if isinstance(prompt, list) else _encode(sizing.spec, prompt)
     check_request(token_ids, params, sizing, config.scheduler)
-    llm = LLM.from_config(config)
-    out = llm.generate(prompt_token_ids=[token_ids], sampling_params=params)[0]
+    with LLM.from_config(config) as llm:
+        out = llm.generate(prompt_token_ids=[token_ids], sampling_params=params)[0]
+        text = out.text if llm.engine.tokenizer is not None else ",".join(map(str, out.token_ids))
     m = out.metrics
-    print(out.text if llm.engine.tokenizer is not None else ",".join(map(str, out.token_ids)))
+    print(text)
     print(_metrics_line(len(out.prompt_token_ids), len(out.token_ids), out.finish_reason, m.ttft or 0.0,
                         m.e2e or 0.0), file=sys.stderr)
     return 0

@@ -19,6 +19,7 @@ forward it records; stage s is also never allowed to start before stage s-1 fini
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import queue
@@ -70,6 +71,11 @@ class TimingRecorder:
                                           daemon=True) for s in range(num_stages)]
         for t in self._threads:
             t.start()
+        # A watcher still inside jax when the interpreter finalizes is unwound by force through C++
+        # frames that do not allow it, and the process aborts ("FATAL: exception not rethrown") after
+        # its work is done: so an owner that never calls close() (a script, `jaxcpp generate`) still
+        # has its watchers stopped first. atexit runs before the daemon threads are cut off.
+        atexit.register(self.close)
 
     # ---- the engine loop's side ----------------------------------------------------------------
     def watch(self, stages: list[DispatchedStage]) -> None:
@@ -99,6 +105,8 @@ class TimingRecorder:
             return list(self._history)
 
     def close(self) -> None:
+        """Stop the watchers once they have timed what was handed to them. Idempotent."""
+        atexit.unregister(self.close)
         for q in self._queues:
             q.put(None)
         for t in self._threads:

@@ -31,6 +31,7 @@ def test_generate_writes_its_programs_under_xdg_cache_home_and_nothing_in_home(t
     cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "generate", "--prompt-token-ids", "1,2,3",
            "--max-tokens", "2", "--max-model-len", "128", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
            "--log-level", "warning"]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit code {proc.returncode}; stderr:\n{proc.stderr[-2000:]}"
     assert any((xdg / "jaxcpp" / "xla").iterdir()), "no program was cached under XDG_CACHE_HOME"
     assert not (home / ".cache" / "jaxcpp").exists()
