@@ -414,39 +414,65 @@ def ragged_paged_attention(
 
 DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill part
 DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
+# Query blocks computed together, each group only as far as its own last query sees (CPU, one core: 1
+# beat 2, 4 and all at once on every shape tried, lone chunks and mixes; docs/benchmarks.md).
+DEFAULT_XLA_GROUP_BLOCKS = 1
 
 
 def _prefill_attention(qg: Array, k_pages: Array, v_pages: Array, md: AttentionMetadata, *, block_q: int,
-                       block_pages: int) -> Array:
+                       block_pages: int, group_blocks: int = DEFAULT_XLA_GROUP_BLOCKS) -> Array:
     """Prefill tokens in query blocks; each block gathers each sequence it touches ONCE for all its tokens.
 
-    qg: [T, kv_heads, group, head_dim] fp32, already scaled. For every block, the prefill sequences it
-    touches form a range [first, last]; step j visits sequence first + j of every block at once (trip
-    count: the widest range), and for it the KV blocks up to the furthest position any block's tokens of
-    that sequence see. Decode and padding tokens come out 0.
+    qg: [T, kv_heads, group, head_dim] fp32, already scaled. The query blocks go in groups of
+    `group_blocks`, one group after the other, and a group visits KV blocks only as far as its own
+    furthest query sees: a chunk of x new tokens after L cached ones then costs about x·L + x²/2 block
+    pairs (the causal triangle, as the kernel's grid does), where one batch of every block would pay
+    x·(L + x), the first query as far as the last. That is the latency model's shape, 2Lx + x², which
+    calibration fits and dynamic chunking plans with. Decode and padding tokens come out 0.
     """
     num_tokens, num_kv_heads, group, head_dim = qg.shape
-    page_size = k_pages.shape[1]
-    num_seqs_padded = md.kv_lens.shape[0]
-    block_tokens = block_pages * page_size
     num_q_blocks = -(-num_tokens // block_q)
-    padded = num_q_blocks * block_q
+    group_blocks = max(1, min(group_blocks, num_q_blocks))
+    num_groups = -(-num_q_blocks // group_blocks)
+    padded = num_groups * group_blocks * block_q
 
     seq, kv_visible = token_layout(md, num_tokens)
     prefill_start = md.cu_q_lens[md.num_decodes]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     kv_visible = jnp.where(token >= prefill_start, kv_visible, 0)  # decodes and padding see nothing
     pad_t = padded - num_tokens
-    tok_seq = jnp.pad(seq, (0, pad_t), constant_values=-1).reshape(num_q_blocks, block_q)
-    tok_visible = jnp.pad(kv_visible, (0, pad_t)).reshape(num_q_blocks, block_q)
-
-    first, last = _block_seq_ranges(md, num_q_blocks, block_q, prefill_start)  # prefill sequences only
-    span = jnp.max(last - first + 1)
-
-    pages_of = _pad_pages(md.page_indices, block_pages)
-    # [blocks, kv_heads, block_q, group, head_dim]: one batched matmul per block and KV head.
+    grouped = (num_groups, group_blocks, block_q)
+    tok_seq = jnp.pad(seq, (0, pad_t), constant_values=-1).reshape(grouped)
+    tok_visible = jnp.pad(kv_visible, (0, pad_t)).reshape(grouped)
+    first, last = _block_seq_ranges(md, num_groups * group_blocks, block_q, prefill_start)  # prefill only
+    first, last = first.reshape(num_groups, group_blocks), last.reshape(num_groups, group_blocks)
+    # [groups, blocks, kv_heads, block_q, group, head_dim]: one batched matmul per block and KV head.
     qb = jnp.pad(qg, ((0, pad_t), (0, 0), (0, 0), (0, 0)))
-    qb = qb.reshape(num_q_blocks, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qb = qb.reshape(*grouped, num_kv_heads, group, head_dim).transpose(0, 1, 3, 2, 4, 5)
+    pages_of = _pad_pages(md.page_indices, block_pages)
+
+    def one_group(g: Array, out: Array) -> Array:
+        part = _prefill_blocks(qb[g], tok_seq[g], tok_visible[g], first[g], last[g], k_pages, v_pages,
+                               pages_of, block_pages=block_pages)
+        return lax.dynamic_update_index_in_dim(out, part, g, axis=0)
+
+    out = lax.fori_loop(0, num_groups, one_group, jnp.zeros_like(qb))
+    out = out.transpose(0, 1, 3, 2, 4, 5).reshape(padded, num_kv_heads, group, head_dim)
+    return out[:num_tokens]
+
+
+def _prefill_blocks(qb: Array, tok_seq: Array, tok_visible: Array, first: Array, last: Array, k_pages: Array,
+                    v_pages: Array, pages_of: Array, *, block_pages: int) -> Array:
+    """Attention of a few query blocks at once: qb [blocks, kv_heads, block_q, group, head_dim].
+
+    For every block, the prefill sequences it touches form a range [first, last]; step j visits sequence
+    first + j of every block at once (trip count: the widest range), and for it the KV blocks up to the
+    furthest position any of these blocks' tokens of that sequence see.
+    """
+    num_q_blocks, num_kv_heads, block_q, group, head_dim = qb.shape
+    num_seqs_padded = pages_of.shape[0]
+    block_tokens = block_pages * k_pages.shape[1]
+    span = jnp.max(last - first + 1)
     kv_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
     def visit_sequence(state: Any) -> Any:
@@ -475,9 +501,7 @@ def _prefill_attention(qg: Array, k_pages: Array, v_pages: Array, md: AttentionM
     init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
             jnp.zeros((*stats, head_dim), jnp.float32))
     _, _, denom, acc = lax.while_loop(lambda s: s[0] < span, visit_sequence, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(padded, num_kv_heads, group, head_dim)
-    return out[:num_tokens]
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 DECODE_GROUP_ROWS = 8  # decode rows per group of the XLA path: each group loops to its own longest row
@@ -521,6 +545,7 @@ def ragged_paged_attention_xla(
     sm_scale: float | None = None,
     block_q: int = DEFAULT_XLA_BLOCK_Q,
     kv_block_tokens: int = DEFAULT_XLA_KV_BLOCK_TOKENS,
+    group_blocks: int = DEFAULT_XLA_GROUP_BLOCKS,
 ) -> jax.Array:  # [T, num_heads, head_dim]
     """The reference's contract and math, with prefill KV gathered once per query block: the CPU path.
 
@@ -538,6 +563,7 @@ def ragged_paged_attention_xla(
     n = min(md.kv_lens.shape[0], num_tokens)
     kv_visible = jnp.where(jnp.arange(n) < md.num_decodes, md.kv_lens[:n], 0)
     decode = _decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible, block_pages=block_pages)
-    prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages)
+    prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages,
+                                 group_blocks=group_blocks)
     out = prefill.at[:n].add(decode)  # disjoint: each part gives the other's tokens 0
     return _times_v_scale(out, kv_scales).reshape(q.shape).astype(q.dtype)

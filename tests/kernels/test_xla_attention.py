@@ -67,6 +67,13 @@ def test_matches_reference_fp32(page_size, group, block_q):
     check_against_reference(page_size=page_size, group=group, dtype=jnp.float32, block_q=block_q)
 
 
+@pytest.mark.parametrize("group_blocks", [1, 3, 100])
+def test_query_blocks_in_groups_of_any_size(group_blocks):
+    """Groups of query blocks each visit KV only as far as their own last query sees (8 blocks here:
+    groups of 1, of 3 with a short last group, and one group of all)."""
+    check_against_reference(page_size=16, group=4, dtype=jnp.float32, block_q=16, group_blocks=group_blocks)
+
+
 def test_matches_reference_bf16():
     check_against_reference(page_size=16, group=4, dtype=jnp.bfloat16, block_q=32)
 
