@@ -389,9 +389,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 class LocalServer:
     """`jaxcpp serve` in a subprocess on a free port; stopped with SIGTERM. `cpus`: pinned to these cores.
     `pin_at_exec`: set in the child before exec (as `taskset -c` does), so XLA:CPU sizes its thread pool
-    for those cores; by default every thread is pinned once the server is up instead, as stage processes
-    pin themselves (`jaxcpp.runtime.stage_process.pin_to_cores`): the pool keeps a thread per machine
-    core, and jax's transfer server, which sends on that pool, is not held behind the computations."""
+    for those cores; by default every thread is pinned once the server is up instead: the pool keeps a
+    thread per machine core, and jax's transfer server, which sends on that pool, is not held behind
+    the computations (stage processes, whose one thread waits for each forward anyway, run forwards
+    inline instead: `jaxcpp.runtime.stage_process.run_forwards_inline_on_cores`)."""
 
     def __init__(self, serve_args: list[str], cpus: list[int] | None = None, pin_at_exec: bool = False) -> None:
         cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--http-port", "0",

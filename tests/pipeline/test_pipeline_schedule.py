@@ -42,12 +42,12 @@ def pinned_pp2(wide_model):
     llm.engine.close()
 
 
-def lone_prefill_probes(llm: LLM, seed: int) -> dict[int, dict[int, dict]]:
-    """{step id: {stage: probe}} of one lone prompt's prefill (max_tokens 1)."""
+def lone_prefill_probes(llm: LLM, seed: int, num_prompts: int = 1) -> dict[int, dict[int, dict]]:
+    """{step id: {stage: probe}} of the prefill (max_tokens 1) of one prompt, or of several sent together."""
     executor = llm.engine.executor
     first = llm.engine.scheduler.num_steps
-    prompt = [(seed * 131 + 7 * i) % 120 + 2 for i in range(PROMPT_LEN)]
-    llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+    prompts = [[((seed + n) * 131 + 7 * i) % 120 + 2 for i in range(PROMPT_LEN)] for n in range(num_prompts)]
+    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
     by_step: dict[int, dict[int, dict]] = {}
     for p in executor.probes():
         if p["id"] >= first:
@@ -55,14 +55,17 @@ def lone_prefill_probes(llm: LLM, seed: int) -> dict[int, dict[int, dict]]:
     return dict(sorted(by_step.items()))
 
 
-def test_hop_never_waits_for_the_producers_next_forward(pinned_pp2):
+@pytest.mark.parametrize("num_prompts", [1, 2])
+def test_hop_never_waits_for_the_producers_next_forward(pinned_pp2, num_prompts):
     """Stage 1 starts micro-batch k once stage 0 finished k and stage 1 is free, not when stage 0
     finishes k + 1: the hop's late start, max(producer done, consumer's pull start) -> consumer inputs
-    ready, stays under half of the producer's next forward (a hop held back by it is late by all of it)."""
+    ready, stays under half of the producer's next forward (a hop held back by it is late by all of it).
+    Two prompts sent together are the schedule that shows it: the second prompt's first, short chunk
+    is done on stage 0 while stage 1 still runs the first prompt's last, long one."""
     lone_prefill_probes(pinned_pp2, seed=1)  # untimed: first use of every path
-    probes = lone_prefill_probes(pinned_pp2, seed=2)
+    probes = lone_prefill_probes(pinned_pp2, seed=2, num_prompts=num_prompts)
     forwards = [m[0]["done"] - m[0]["start"] for m in probes.values()]
-    assert len(probes) == PROMPT_LEN // BUDGET and statistics.median(forwards) > 0.03, \
+    assert len(probes) == num_prompts * PROMPT_LEN // BUDGET and statistics.median(forwards) > 0.03, \
         f"forwards too short to tell a late hop from noise: {forwards}"
     late = [m[1]["inputs_ready"] - max(m[0]["done"], m[1]["pull_start"]) for m in probes.values()]
     bounds = [0.5 * f for f in forwards[1:]] + [0.5 * statistics.median(forwards)]  # the last has no next
