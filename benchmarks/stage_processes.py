@@ -117,10 +117,11 @@ def part_ttft(args: argparse.Namespace) -> dict:
     dyn = engine(args.model, max_num_batched_tokens=args.budget, enable_dynamic_chunking=True,
                  dynamic_chunking_min_chunk_size=max(64, args.budget // 8), trace_file=args.trace, **base)
     ctl = dyn.engine.chunking
-    for i in range(12):  # runtime calibration: sole prefills alternate base chunks budget and budget/4
+    for i in range(12):  # runtime calibration: sole prefills alternate base chunks budget and budget/4,
+        # as long as the prompt measured below (a fit of shorter ones would be extrapolated to it)
         if ctl.state != "calibrating":
             break
-        ttft_of(dyn, prompt(args.prompt_len // 2 + 64 * i, 100 + i))
+        ttft_of(dyn, prompt(args.prompt_len - 64 * i, 100 + i))
     model = ctl.model
     print(f"controller state after calibration: {ctl.state}; model: {model.describe() if model else None}",
           flush=True)

@@ -37,13 +37,26 @@ def test_calibrates_by_alternating_bases_then_installs_and_logs(caplog):
         assert prefill_alone(ctl, "r0", 131072) == [32768] * 4       # budget; discarded by calibration
         assert prefill_alone(ctl, "r1", 131072) == [8192] * 16       # max(budget / 4, min chunk)
         r2 = prefill_alone(ctl, "r2", 131072)
-    assert r2[0] == 32768 and r2[1] < 32768  # installed on r2's first sample, sized from then on
+    # installed on r2's second sample (its base size then seen at two prefixes), sized from then on
+    assert r2[:2] == [32768, 32768] and r2[2] < 32768
     assert ctl.state == "installed"
     assert ctl.model.a == pytest.approx(TRUE.a, rel=1e-6)
     assert any(r.message.startswith("Dynamic chunking latency model installed: a=") for r in caplog.records)
     counts = ctl.report_counts()
-    assert counts["calibration"] == 4 + 16 + 1 and counts["model"] == len(r2) - 1
+    assert counts["calibration"] == 4 + 16 + 2 and counts["model"] == len(r2) - 2
     assert ctl.report_counts() == dict.fromkeys(counts, 0)
+
+
+def test_a_prompts_remainder_is_not_a_second_chunk_size():
+    """One base size along the prefix plus the last chunk's remainder leave a against γ resting on one
+    sample: not ready until a second size is seen at two prefixes (it was, and on real compute such a
+    fit installed a = 5.4e-9, γ = 8.3e-6, predicting 55-76% short)."""
+    ctl = DynamicChunkController(SETTINGS)
+    ctl.set_startup_fit(TRUE.b, TRUE.c)
+    prefill_alone(ctl, "r0", 131072)                                  # discarded
+    assert prefill_alone(ctl, "r1", 16 * 8192 + 4096) == [8192] * 16 + [4096]
+    assert ctl.state == "calibrating"
+    assert ctl.calibrator.readiness() == "1 distinct chunk sizes sampled at 2+ prefixes, needs 2"
 
 
 def test_installed_equal_latency_shrinks_chunks_and_counts_them():
