@@ -9,7 +9,8 @@ How a stage process comes up and runs:
        say hello (stage index, pid, host, the address it advertises), receive the head's EngineConfig
        and the coordinator address
     2. set its own device count (XLA_FLAGS, T devices for TP inside the stage) and, when it is to be
-       pinned, single-threaded XLA:CPU; only then import jax (and pin, once the jax client exists)
+       pinned, single-threaded XLA:CPU; only then import jax (and, pinned, run forwards inline:
+       `run_forwards_inline_on_cores`)
     3. jax.distributed.initialize(coordinator, P, S): stage 0's process hosts the coordination service
        (a later stage first checks that it can reach it); tell the head its backend and receive the
        head's sizing (`EngineSizing`: `--dtype auto` resolved, pages, buckets; a stage never sizes
