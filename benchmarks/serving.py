@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxcpp.runtime.stage_process import pin_to_cores
 from jaxcpp.serving.client import AsyncClient
 
 
@@ -405,8 +406,7 @@ class LocalServer:
                 self.target = line.split(" on ")[1].split()[0]
                 self.http_url = next((w for w in line.split() if w.startswith("http")), "")
                 if cpus is not None and not pin_at_exec:
-                    for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-                        os.sched_setaffinity(int(task), cpus)
+                    pin_to_cores(cpus, self.proc.pid)
                 return
         raise SystemExit(f"server exited with {self.proc.wait()}: {' '.join(cmd)}")
 

@@ -460,7 +460,7 @@ class EngineConfig:
             _require(self.parallel.executor_backend == "inproc", "kv_transfer_config",
                      "a kv_consumer pulls KV pages into the stages of its own process: "
                      "--distributed-executor-backend inproc (the default on one host)")
-        if self.chunking.enable_dynamic_chunking and kv is not None and kv.only_consumes:
+        if self.chunking.enable_dynamic_chunking and not self.dynamic_chunking:
             log.warning("--enable-dynamic-chunking is off on a kv_consumer: it decodes, the producers prefill "
                         "(turn it on there)")
         elif self.chunking.enable_dynamic_chunking:

@@ -153,14 +153,12 @@ class EngineLoop:
 
         def add() -> None:
             added: list[str] = []
+            # only what is set: n > 1 samples share a group, a producer's prefill carries its transfer
+            extra: dict[str, Any] = {k: v for k, v in (("group", state.group), ("kv_transfer", kv_transfer))
+                                     if v is not None}
             try:
                 for request_id, params in state.engine_requests:
-                    if kv_transfer is not None:
-                        self.engine.add_request(request_id, prompt, params, kv_transfer=kv_transfer)
-                    elif state.group is None:
-                        self.engine.add_request(request_id, prompt, params)
-                    else:
-                        self.engine.add_request(request_id, prompt, params, group=state.group)
+                    self.engine.add_request(request_id, prompt, params, **extra)
                     added.append(request_id)
             except BaseException:
                 for request_id in added:

@@ -88,9 +88,10 @@ def configure_process(num_devices: int, cores: list[int] | None) -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
 
 
-def pin_to_cores(cores: list[int]) -> None:
-    """Every thread of this process, and so every thread it starts later, on `cores` only."""
-    for task in os.listdir("/proc/self/task"):
+def pin_to_cores(cores: list[int], pid: int | str = "self") -> None:
+    """Every thread of process `pid` (this one by default), and so every thread it starts later, on
+    `cores` only."""
+    for task in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(task), cores)
         except ProcessLookupError:
