@@ -20,6 +20,10 @@ pytestmark = pytest.mark.slow
 
 GRACE_S = 2.0
 LONG = 2000  # tokens: at ~3 ms a decode step (decode-only buckets), 480 could finish within the grace
+# Long enough that all 8 streams are admitted before a short one ends (at 12 tokens, ~40 ms, a stream
+# whose client connected late could find a short one finished, and 8 running never came), short
+# enough to end well inside the grace (~0.2 s at ~3 ms a step).
+SHORT = 64
 
 
 def test_sigterm_under_load(tmp_path) -> None:
@@ -44,8 +48,8 @@ def test_sigterm_under_load(tmp_path) -> None:
                 except grpc.RpcError as err:
                     errors[name] = err
 
-        # short: 12 tokens, done well inside the grace; long: still running when it ends
-        jobs = {f"short{i}": 12 for i in range(4)} | {f"long{i}": LONG for i in range(4)}
+        # short: done well inside the grace; long: still running when it ends
+        jobs = {f"short{i}": SHORT for i in range(4)} | {f"long{i}": LONG for i in range(4)}
         threads = [threading.Thread(target=consume, args=job, daemon=True) for job in jobs.items()]
         with Client(target, timeout=60) as probe:
             for t in threads:
@@ -62,7 +66,7 @@ def test_sigterm_under_load(tmp_path) -> None:
         for name, deltas in results.items():
             last = deltas[-1]
             if name.startswith("short"):
-                assert (last.finish_reason, last.num_generated_tokens) == ("length", 12)
+                assert (last.finish_reason, last.num_generated_tokens) == ("length", SHORT)
             else:
                 assert last.finish_reason == "abort" and last.num_generated_tokens < LONG, name
                 assert sum(len(d.token_ids) for d in deltas) == last.num_generated_tokens
