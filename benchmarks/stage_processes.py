@@ -8,7 +8,8 @@ a temporary folder. Every stage process is pinned to its own core with single-th
 (JAXCPP_PIN_STAGE_CORES=1); the one-process baseline pins itself to one core the same way.
 
     speedup    prefill throughput of two concurrent prompts (max_tokens 1): one process on one core vs
-               PP 2 stage processes (fixed chunks at the budget)
+               PP 2 stage processes, fixed chunks at the budget, and PP 2 with dynamic chunking (`optimal`,
+               calibrated first as in ttft)
     ttft       a lone prompt, median of --reps: fixed chunks at budget, budget/2, budget/4 (engines with
                that --max-num-batched-tokens), then on one dynamic-chunking engine (calibrated from the
                stage processes' runtime timings; the log lines are printed) equal-latency and optimal;
@@ -90,41 +91,55 @@ def part_speedup(args: argparse.Namespace) -> dict:
     from jaxcpp import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
+    model = None
     if args.pp == 1:
         llm = engine(args.model, **kw)
+    elif args.dynamic:
+        llm, model = calibrated_engine(args, pipeline_parallel_size=args.pp, distributed_executor_backend="mp", **kw)
+        llm.engine.chunking.policy = "optimal"
     else:
         llm = engine(args.model, pipeline_parallel_size=args.pp, distributed_executor_backend="mp", **kw)
     llm.generate(prompt_token_ids=[prompt(args.budget, 9)], sampling_params=params)  # untimed
+    seen = record_chunks(llm)
     seconds = []
     for _ in range(args.reps):
+        seen.clear()
         t0 = time.perf_counter()
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
         seconds.append(time.perf_counter() - t0)
     llm.engine.close()
     s = statistics.median(seconds)
-    return {"pp": args.pp, "seconds": seconds, "median_s": s, "tokens_per_s": 2 * args.prompt_len / s}
+    return {"pp": args.pp, "seconds": seconds, "median_s": s, "tokens_per_s": 2 * args.prompt_len / s,
+            "chunks": list(seen), "model": model.describe() if model else None}
+
+
+def calibrated_engine(args: argparse.Namespace, **kw: object):  # type: ignore[no-untyped-def]
+    """A PP stage-process engine with dynamic chunking, calibrated from its stages' runtime timings by sole
+    prefills as long as the prompts measured (a fit of shorter ones would be extrapolated to them); the
+    installed model, or None where calibration gave up (noisy timings). The log lines are printed."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("jaxcpp.chunking").setLevel(logging.INFO)
+    llm = engine(args.model, enable_dynamic_chunking=True,
+                 dynamic_chunking_min_chunk_size=max(64, args.budget // 8), **kw)
+    ctl = llm.engine.chunking
+    for i in range(12):  # sole prefills alternate base chunks budget and budget/4
+        if ctl.state != "calibrating":
+            break
+        ttft_of(llm, prompt(args.prompt_len - 64 * i, 100 + i))
+    print(f"controller state after calibration: {ctl.state}; model: {ctl.model.describe() if ctl.model else None}",
+          flush=True)
+    return llm, ctl.model
 
 
 def part_ttft(args: argparse.Namespace) -> dict:
     from jaxcpp.chunking.makespan import predicted_ttft
 
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("jaxcpp.chunking").setLevel(logging.INFO)
     long = prompt(args.prompt_len, 3)
     base = dict(max_model_len=args.prompt_len + 16, max_num_seqs=4, pipeline_parallel_size=2,
                 distributed_executor_backend="mp")
     rows = []
-    dyn = engine(args.model, max_num_batched_tokens=args.budget, enable_dynamic_chunking=True,
-                 dynamic_chunking_min_chunk_size=max(64, args.budget // 8), trace_file=args.trace, **base)
+    dyn, model = calibrated_engine(args, max_num_batched_tokens=args.budget, trace_file=args.trace, **base)
     ctl = dyn.engine.chunking
-    for i in range(12):  # runtime calibration: sole prefills alternate base chunks budget and budget/4,
-        # as long as the prompt measured below (a fit of shorter ones would be extrapolated to it)
-        if ctl.state != "calibrating":
-            break
-        ttft_of(dyn, prompt(args.prompt_len - 64 * i, 100 + i))
-    model = ctl.model
-    print(f"controller state after calibration: {ctl.state}; model: {model.describe() if model else None}",
-          flush=True)
     if model is None:  # gave up (noisy timings): the fixed-chunk rows are still measured
         dyn.engine.close()
         return {"state": str(ctl.state), "rows": rows + fixed_rows(args, base, long, None, None)}
@@ -216,6 +231,7 @@ def main() -> None:
     parser.add_argument("--part", default=None)
     parser.add_argument("--model", default=None)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dynamic", action="store_true", help="(speedup part) dynamic chunking, `optimal`")
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
@@ -236,9 +252,12 @@ def main() -> None:
     if "speedup" in only:
         one = run_part("speedup", args, ["--pp", "1"], pin_self=True)
         two = run_part("speedup", args, ["--pp", "2"], pin_self=False)
+        dyn = run_part("speedup", args, ["--pp", "2", "--dynamic"], pin_self=False)
         print(f"speedup: one process one core {one['tokens_per_s']:.0f} tok/s ({one['seconds']}); "
-              f"PP 2 stage processes {two['tokens_per_s']:.0f} tok/s ({two['seconds']}); "
-              f"x{two['tokens_per_s'] / one['tokens_per_s']:.2f}", flush=True)
+              f"PP 2 stage processes {two['tokens_per_s']:.0f} tok/s ({two['seconds']}) "
+              f"x{two['tokens_per_s'] / one['tokens_per_s']:.2f}; PP 2 with dynamic chunking (optimal, model "
+              f"{dyn['model']}) {dyn['tokens_per_s']:.0f} tok/s ({dyn['seconds']}, chunks {dyn['chunks']}) "
+              f"x{dyn['tokens_per_s'] / one['tokens_per_s']:.2f}", flush=True)
     if "ttft" in only:
         res = run_part("ttft", args, [], pin_self=False)
         print(f"ttft (installed model: {res.get('model')}):")
