@@ -86,19 +86,20 @@ def record_chunks(llm) -> list[int]:  # type: ignore[no-untyped-def]
 
 # ---- parts (each in its own process) ----------------------------------------------------------------
 def part_speedup(args: argparse.Namespace) -> dict:
-    kw = dict(max_model_len=args.prompt_len + 16, max_num_batched_tokens=args.budget, max_num_seqs=4)
+    kw: dict[str, object] = dict(max_model_len=args.prompt_len + 16, max_num_batched_tokens=args.budget,
+                                 max_num_seqs=4)
     prompts = [prompt(args.prompt_len, s) for s in (1, 2)]
     from jaxcpp import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
+    if args.pp > 1:
+        kw.update(pipeline_parallel_size=args.pp, distributed_executor_backend="mp")
     model = None
-    if args.pp == 1:
-        llm = engine(args.model, **kw)
-    elif args.dynamic:
-        llm, model = calibrated_engine(args, pipeline_parallel_size=args.pp, distributed_executor_backend="mp", **kw)
+    if args.dynamic:
+        llm, model = calibrated_engine(args, **kw)
         llm.engine.chunking.policy = "optimal"
     else:
-        llm = engine(args.model, pipeline_parallel_size=args.pp, distributed_executor_backend="mp", **kw)
+        llm = engine(args.model, **kw)
     llm.generate(prompt_token_ids=[prompt(args.budget, 9)], sampling_params=params)  # untimed
     seen = record_chunks(llm)
     seconds = []
