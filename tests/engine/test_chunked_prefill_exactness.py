@@ -1,6 +1,10 @@
-"""Chunked prefill is exact: any chunk size gives the unchunked run's logits (1e-5) and greedy tokens.
+"""Chunked prefill is exact: any chunk size gives the unchunked run's greedy tokens and its logits to
+float32 rounding (1e-5 + 2e-6 relative).
 
 Seed 003: the chunk-wise causal mask is the same triangle as one big prefill, only computed in pieces.
+Pieces sum in another order, and a CPU's vector width decides XLA's order too: one CI machine put one
+logit of 8448 at -9.26020 against -9.26019 (1.05e-5, about 11 float32 ulps at that size), so the bound
+is relative as well as absolute.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def assert_same(out, ref):
     assert out.token_ids == ref.token_ids
     got, want = np.stack(out.logits), np.stack(ref.logits)
     assert got.shape == want.shape == (NUM_TOKENS, got.shape[1])
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=2e-6)
 
 
 @pytest.mark.slow
