@@ -9,11 +9,13 @@ a temporary folder. Every stage process is pinned to its own core with single-th
 
     speedup    prefill throughput of two concurrent prompts (max_tokens 1): one process on one core vs
                PP 2 stage processes, fixed chunks at the budget, and PP 2 with dynamic chunking (`optimal`,
-               calibrated first as in ttft)
+               calibrated first as in ttft); the three kept running and alternated, --reps rounds, the
+               speed-up the median of each round's ratio
     ttft       a lone prompt, median of --reps: fixed chunks at budget, budget/2, budget/4 (engines with
-               that --max-num-batched-tokens), then on one dynamic-chunking engine (calibrated from the
-               stage processes' runtime timings; the log lines are printed) equal-latency and optimal;
-               each beside `predicted_ttft` of the chunks the engine really scheduled, from the installed model
+               that --max-num-batched-tokens), and on one dynamic-chunking engine (calibrated from the
+               stage processes' runtime timings; the log lines are printed) equal-latency and optimal,
+               the five alternated round by round; each beside `predicted_ttft` of the chunks the engine
+               really scheduled, from the installed model
     hostcost   a small model (hidden 64, 8 layers, 64-token steps): head submit -> stage received, where
                the stage was already waiting (control channel), and max(producer done, consumer's pull
                start) -> consumer inputs ready (activation hop: await_pull + pull), at P = 2, 4 and 8
@@ -85,7 +87,9 @@ def record_chunks(llm) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 # ---- parts (each in its own process) ----------------------------------------------------------------
-def part_speedup(args: argparse.Namespace) -> dict:
+def part_speedup(args: argparse.Namespace) -> None:
+    """One configuration of the speed-up, kept running: one timed repetition per line read from stdin
+    (the parent alternates configurations, so a machine whose speed drifts slows them all alike)."""
     kw: dict[str, object] = dict(max_model_len=args.prompt_len + 16, max_num_batched_tokens=args.budget,
                                  max_num_seqs=4)
     prompts = [prompt(args.prompt_len, s) for s in (1, 2)]
@@ -101,17 +105,67 @@ def part_speedup(args: argparse.Namespace) -> dict:
     else:
         llm = engine(args.model, **kw)
     llm.generate(prompt_token_ids=[prompt(args.budget, 9)], sampling_params=params)  # untimed
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)  # untimed: a full run warms every path
     seen = record_chunks(llm)
-    seconds = []
-    for _ in range(args.reps):
+    print(json.dumps({"ready": True, "model": model.describe() if model else None}), flush=True)
+    for _ in sys.stdin:
         seen.clear()
         t0 = time.perf_counter()
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        seconds.append(time.perf_counter() - t0)
+        print(json.dumps({"seconds": time.perf_counter() - t0, "chunks": list(seen)}), flush=True)
     llm.engine.close()
-    s = statistics.median(seconds)
-    return {"pp": args.pp, "seconds": seconds, "median_s": s, "tokens_per_s": 2 * args.prompt_len / s,
-            "chunks": list(seen), "model": model.describe() if model else None}
+
+
+class SpeedupConfig:
+    """A speed-up configuration's process (`part_speedup`), started once, asked for one repetition at a time."""
+
+    def __init__(self, name: str, args: argparse.Namespace, extra: list[str], pin_self: bool) -> None:
+        self.name, self.seconds, self.chunks = name, [], []
+        self.proc = start_part("speedup", args, extra, pin_self, stdin=subprocess.PIPE)
+        self.model = self._reply()["model"]
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+            print("   ", line.rstrip())
+        raise RuntimeError(f"the {self.name} configuration's process ended (exit {self.proc.wait()})")
+
+    def run_once(self) -> None:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        self.seconds.append(reply["seconds"])
+        self.chunks = reply["chunks"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def speedup(args: argparse.Namespace) -> None:
+    """The three configurations started one after another (their start-ups do not overlap), then --reps
+    rounds, each running every configuration once, in an order rotated round by round; the speed-ups are
+    medians of each round's ratios."""
+    configs = [SpeedupConfig("one process, one core", args, ["--pp", "1"], pin_self=True),
+               SpeedupConfig("PP 2, fixed chunks", args, ["--pp", "2"], pin_self=False),
+               SpeedupConfig("PP 2, dynamic chunking (optimal)", args, ["--pp", "2", "--dynamic"], pin_self=False)]
+    for r in range(args.reps):
+        for c in configs[r % 3:] + configs[:r % 3]:
+            c.run_once()
+    for c in configs:
+        c.close()
+    one = configs[0]
+    print(f"speedup ({args.reps} alternating rounds; model of the dynamic configuration: {configs[2].model}):")
+    for c in configs:
+        ratios = [a / b for a, b in zip(one.seconds, c.seconds, strict=True)]
+        print(f"  {c.name:>34}: median {c.median_s:.3f} s ({2 * args.prompt_len / c.median_s:.0f} tok/s) "
+              f"{[round(t, 3) for t in c.seconds]}; x{statistics.median(ratios):.2f} median of rounds "
+              f"{[round(x, 2) for x in ratios]}; chunks {c.chunks}", flush=True)
 
 
 def calibrated_engine(args: argparse.Namespace, **kw: object):  # type: ignore[no-untyped-def]
@@ -133,57 +187,66 @@ def calibrated_engine(args: argparse.Namespace, **kw: object):  # type: ignore[n
 
 
 def part_ttft(args: argparse.Namespace) -> dict:
+    """The five policies on four engines alive at once (an idle engine's processes take no CPU), warmed
+    by a full untimed run each, then --reps rounds running each policy once, in an order rotated round
+    by round, so a machine whose speed drifts slows them all alike."""
     from jaxcpp.chunking.makespan import predicted_ttft
 
     long = prompt(args.prompt_len, 3)
     base = dict(max_model_len=args.prompt_len + 16, max_num_seqs=4, pipeline_parallel_size=2,
                 distributed_executor_backend="mp")
-    rows = []
     dyn, model = calibrated_engine(args, max_num_batched_tokens=args.budget, trace_file=args.trace, **base)
     ctl = dyn.engine.chunking
-    if model is None:  # gave up (noisy timings): the fixed-chunk rows are still measured
-        dyn.engine.close()
-        return {"state": str(ctl.state), "rows": rows + fixed_rows(args, base, long, None, None)}
+    engines = {f"fixed {args.budget // d}": engine(args.model, max_num_batched_tokens=args.budget // d, **base)
+               for d in (1, 2, 4)}
+    policies = list(engines) if model is None else ["equal-latency", "optimal", *engines]
+    rows = {p: {"policy": p, "measured": [], "chunks": [], "over_flow_shop": []} for p in policies}
+    seen = {id(llm): record_chunks(llm) for llm in (dyn, *engines.values())}
+    png_steps = None
+    for r in range(args.reps + 1):  # round 0 is the untimed warm-up
+        for p in policies[r % len(policies):] + policies[:r % len(policies)]:
+            llm = engines.get(p, dyn)
+            if p not in engines:
+                ctl.policy = p
+            chunks = seen[id(llm)]
+            chunks.clear()
+            first_step = llm.engine.scheduler.num_steps
+            ttft = ttft_of(llm, long)
+            if r:
+                rows[p]["measured"].append(ttft)
+                rows[p]["chunks"] = list(chunks)
+                rows[p]["over_flow_shop"].append(over_flow_shop(llm, first_step))
+            if r == 1 and p == "equal-latency":
+                png_steps = (first_step, llm.engine.scheduler.num_steps, list(chunks))
     weights = ctl.settings.stage_weights
-    for policy in ("equal-latency", "optimal"):
-        ctl.policy = policy
-        seen = record_chunks(dyn)
-        times, chunks = [], []
-        for _ in range(args.reps):
-            seen.clear()
-            first_step = dyn.engine.scheduler.num_steps
-            times.append(ttft_of(dyn, long))
-            chunks = list(seen)
-        rows.append({"policy": policy, "chunks": chunks, "measured": times,
-                     "predicted": predicted_ttft(model, chunks, 2, weights)})
-        if policy == "equal-latency" and args.png:
-            last = [t for t in dyn.engine.executor.timings() if t.step_id >= first_step]
-            from jaxcpp.tools.plot import plot_measured_vs_predicted
+    for row in rows.values():
+        row["predicted"] = predicted_ttft(model, row["chunks"], 2, weights) if model else None
+    if args.png and png_steps:
+        from jaxcpp.tools.plot import plot_measured_vs_predicted
 
-            plot_measured_vs_predicted(last, model, chunks, 2, args.png, "lone prompt, equal-latency chunks, PP 2",
-                                       weights)
-    dyn.engine.close()
-    rows += fixed_rows(args, base, long, model, weights)
-    return {"state": str(ctl.state), "model": model.describe(), "rows": rows}
-
-
-def fixed_rows(args, base, long, model, weights) -> list:  # type: ignore[no-untyped-def]
-    from jaxcpp.chunking.makespan import predicted_ttft
-
-    rows = []
-    for div in (1, 2, 4):
-        budget = args.budget // div
-        llm = engine(args.model, max_num_batched_tokens=budget, **base)
-        seen = record_chunks(llm)
-        ttft_of(llm, prompt(budget, 7))
-        times = []
-        for _ in range(args.reps):
-            seen.clear()
-            times.append(ttft_of(llm, long))
-        rows.append({"policy": f"fixed {budget}", "chunks": list(seen), "measured": times,
-                     "predicted": predicted_ttft(model, list(seen), 2, weights) if model else None})
+        first, end, chunks = png_steps
+        steps = [t for t in dyn.engine.executor.timings() if first <= t.step_id < end]
+        plot_measured_vs_predicted(steps, model, chunks, 2, args.png, "lone prompt, equal-latency chunks, PP 2",
+                                   weights)
+    for llm in (dyn, *engines.values()):
         llm.engine.close()
-    return rows
+    return {"state": str(ctl.state), "model": model.describe() if model else None, "rows": list(rows.values())}
+
+
+def over_flow_shop(llm, first_step: int) -> float:  # type: ignore[no-untyped-def]
+    """How much longer the forwards of the steps since `first_step` spanned (first start to last done)
+    than a flow shop of their own measured durations, each forward starting as soon as its input and
+    its stage are ready: the time the pipe itself lost, whatever the forwards cost."""
+    timings = [t for t in llm.engine.executor.timings() if t.step_id >= first_step]
+    steps, stages = sorted({t.step_id for t in timings}), sorted({t.stage for t in timings})
+    forward = {(t.step_id, t.stage): t.forward for t in timings}
+    done = [0.0] * len(steps)
+    for stage in stages:
+        free = 0.0
+        for i, step in enumerate(steps):
+            free = done[i] = max(free, done[i]) + forward[step, stage]
+    span = max(t.done for t in timings) - min(t.start for t in timings)
+    return span / done[-1] - 1
 
 
 def part_hostcost(args: argparse.Namespace) -> dict:
@@ -209,7 +272,8 @@ def part_hostcost(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_part(name: str, args: argparse.Namespace, extra: list[str], pin_self: bool) -> dict:
+def start_part(name: str, args: argparse.Namespace, extra: list[str], pin_self: bool,
+               stdin: int | None = None) -> subprocess.Popen:
     env = {**os.environ, "JAXCPP_PIN_STAGE_CORES": "1", "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     if pin_self:
@@ -220,8 +284,14 @@ def run_part(name: str, args: argparse.Namespace, extra: list[str], pin_self: bo
         if getattr(args, flag, None):
             cmd += [f"--{flag}", str(Path(getattr(args, flag)).resolve())]
     pre = ["taskset", "-c", "0"] if pin_self else []
-    res = subprocess.run(pre + cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-    lines = res.stdout.strip().splitlines()
+    return subprocess.Popen(pre + cmd, env=env, stdin=stdin, stdout=subprocess.PIPE, text=True)
+
+
+def run_part(name: str, args: argparse.Namespace) -> dict:
+    proc = start_part(name, args, [], pin_self=False)
+    lines = proc.stdout.read().strip().splitlines()
+    if proc.wait():
+        raise RuntimeError(f"the {name} part failed (exit {proc.returncode})")
     for line in lines[:-1]:
         print("   ", line)
     return json.loads(lines[-1])
@@ -243,7 +313,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.part:
         result = {"speedup": part_speedup, "ttft": part_ttft, "hostcost": part_hostcost}[args.part](args)
-        print(json.dumps(result), flush=True)
+        if result is not None:
+            print(json.dumps(result), flush=True)
         return
     tmp = Path(tempfile.mkdtemp(prefix="jaxcpp_stage_bench_"))
     only = args.only.split(",")
@@ -251,26 +322,20 @@ def main() -> None:
     if "speedup" in only or "ttft" in only:
         args.model = write_model(tmp / "big", 256, 8, 8, 2, args.prompt_len + 64)
     if "speedup" in only:
-        one = run_part("speedup", args, ["--pp", "1"], pin_self=True)
-        two = run_part("speedup", args, ["--pp", "2"], pin_self=False)
-        dyn = run_part("speedup", args, ["--pp", "2", "--dynamic"], pin_self=False)
-        print(f"speedup: one process one core {one['tokens_per_s']:.0f} tok/s ({one['seconds']}); "
-              f"PP 2 stage processes {two['tokens_per_s']:.0f} tok/s ({two['seconds']}) "
-              f"x{two['tokens_per_s'] / one['tokens_per_s']:.2f}; PP 2 with dynamic chunking (optimal, model "
-              f"{dyn['model']}) {dyn['tokens_per_s']:.0f} tok/s ({dyn['seconds']}, chunks {dyn['chunks']}) "
-              f"x{dyn['tokens_per_s'] / one['tokens_per_s']:.2f}", flush=True)
+        speedup(args)
     if "ttft" in only:
-        res = run_part("ttft", args, [], pin_self=False)
+        res = run_part("ttft", args)
         print(f"ttft (installed model: {res.get('model')}):")
         for r in res["rows"]:
             med = statistics.median(r["measured"])
             pred = (f"predicted {r['predicted']:.3f}s ({(med / r['predicted'] - 1) * 100:+.0f}%)"
                     if r["predicted"] else "no installed model to predict from")
+            pipe = statistics.median(r["over_flow_shop"]) * 100
             print(f"  {r['policy']:>14}: measured {med:.3f}s {[round(t, 3) for t in r['measured']]}, {pred}, "
-                  f"chunks {r['chunks']}")
+                  f"forwards' span {pipe:+.1f}% over their flow shop (median), chunks {r['chunks']}")
     if "hostcost" in only:
         args.model = write_model(tmp / "small", 64, 8, 4, 2, 1024)
-        res = run_part("hostcost", args, [], pin_self=False)
+        res = run_part("hostcost", args)
         for pp, r in res.items():
             print(f"host cost P={pp}: control channel {r['control_us']:.0f} us, activation hop {r['hop_us']:.0f} us "
                   f"(medians over {r['n_control']} idle-stage receipts and {r['n_hops']} hops, {r['n']} micro-batches)")
