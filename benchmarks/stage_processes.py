@@ -86,6 +86,11 @@ def record_chunks(llm) -> list[int]:  # type: ignore[no-untyped-def]
     return seen
 
 
+def rotated(items: list, r: int) -> list:
+    """Round r's order: the list rotated by r, so no configuration always runs first."""
+    return items[r % len(items):] + items[:r % len(items)]
+
+
 # ---- parts (each in its own process) ----------------------------------------------------------------
 def part_speedup(args: argparse.Namespace) -> None:
     """One configuration of the speed-up, kept running: one timed repetition per line read from stdin
@@ -155,7 +160,7 @@ def speedup(args: argparse.Namespace) -> None:
                SpeedupConfig("PP 2, fixed chunks", args, ["--pp", "2"], pin_self=False),
                SpeedupConfig("PP 2, dynamic chunking (optimal)", args, ["--pp", "2", "--dynamic"], pin_self=False)]
     for r in range(args.reps):
-        for c in configs[r % 3:] + configs[:r % 3]:
+        for c in rotated(configs, r):
             c.run_once()
     for c in configs:
         c.close()
@@ -204,7 +209,7 @@ def part_ttft(args: argparse.Namespace) -> dict:
     seen = {id(llm): record_chunks(llm) for llm in (dyn, *engines.values())}
     png_steps = None
     for r in range(args.reps + 1):  # round 0 is the untimed warm-up
-        for p in policies[r % len(policies):] + policies[:r % len(policies)]:
+        for p in rotated(policies, r):
             llm = engines.get(p, dyn)
             if p not in engines:
                 ctl.policy = p
