@@ -109,7 +109,6 @@ def part_speedup(args: argparse.Namespace) -> None:
         llm.engine.chunking.policy = "optimal"
     else:
         llm = engine(args.model, **kw)
-    llm.generate(prompt_token_ids=[prompt(args.budget, 9)], sampling_params=params)  # untimed
     llm.generate(prompt_token_ids=prompts, sampling_params=params)  # untimed: a full run warms every path
     seen = record_chunks(llm)
     print(json.dumps({"ready": True, "model": model.describe() if model else None}), flush=True)
