@@ -111,7 +111,7 @@ def part_speedup(args: argparse.Namespace) -> None:
         llm = engine(args.model, **kw)
     llm.generate(prompt_token_ids=prompts, sampling_params=params)  # untimed: a full run warms every path
     seen = record_chunks(llm)
-    print(json.dumps({"ready": True, "model": model.describe() if model else None}), flush=True)
+    print(json.dumps({"ready": True, "model": llm.engine.chunking.describe_model() if model else None}), flush=True)
     for _ in sys.stdin:
         seen.clear()
         t0 = time.perf_counter()
@@ -185,7 +185,7 @@ def calibrated_engine(args: argparse.Namespace, **kw: object):  # type: ignore[n
         if ctl.state != "calibrating":
             break
         ttft_of(llm, prompt(args.prompt_len - 64 * i, 100 + i))
-    print(f"controller state after calibration: {ctl.state}; model: {ctl.model.describe() if ctl.model else None}",
+    print(f"controller state after calibration: {ctl.state}; model: {ctl.describe_model()}",
           flush=True)
     return llm, ctl.model
 
@@ -234,7 +234,7 @@ def part_ttft(args: argparse.Namespace) -> dict:
                                    weights)
     for llm in (dyn, *engines.values()):
         llm.engine.close()
-    return {"state": str(ctl.state), "model": model.describe() if model else None, "rows": list(rows.values())}
+    return {"state": str(ctl.state), "model": ctl.describe_model(), "rows": list(rows.values())}
 
 
 def over_flow_shop(llm, first_step: int) -> float:  # type: ignore[no-untyped-def]

@@ -106,7 +106,7 @@ def calibrate(llm, args: argparse.Namespace):  # type: ignore[no-untyped-def]
         if ctl.state != "calibrating":
             break
         run_prompts(llm, [prompt(BUDGET * 2 + 4096 * i, 1000 + i)])
-    print(f"    calibration: {ctl.state}; installed {ctl.model.describe() if ctl.model else None}; "
+    print(f"    calibration: {ctl.state}; installed {ctl.describe_model()}; "
           f"true {true_model(args.scale).describe()}", flush=True)
     if ctl.model is None:
         llm.engine.close()

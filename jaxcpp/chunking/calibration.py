@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxcpp.chunking.fitting import Rejection, fit_runtime
+from jaxcpp.chunking.fitting import Rejection, fit_runtime, relative_rms
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.planner import ChunkSettings, snap_down
 
@@ -78,7 +78,9 @@ class _Shape:
 class RuntimeCalibrator:
     """Collects sole-prefill timings and fits a, γ, c with the start-up b; see the module docstring.
 
-    `status` is "collecting", "accepted" (then `model` is set) or "gave_up" (then `give_up_reason`).
+    `status` is "collecting", "accepted" (then `model` and `fit_error` are set) or "gave_up" (then
+    `give_up_reason`). `fit_error` is the accepted fit's RMS residual over its shapes, as a share of their
+    mean latency: how far the model may be trusted to rank plans.
     """
 
     def __init__(self, budget: int, b: float | None = None, c_startup: float | None = None) -> None:
@@ -87,6 +89,7 @@ class RuntimeCalibrator:
         self.c_startup = c_startup
         self.status = "collecting"
         self.model: LatencyModel | None = None
+        self.fit_error = 0.0
         self.give_up_reason: str | None = None
         self.rejections: list[str] = []
         self._shapes: dict[tuple[int, int], _Shape] = {}
@@ -152,14 +155,16 @@ class RuntimeCalibrator:
         assert self.b is not None and self.c_startup is not None
         self._new_sample = False
         keys = list(self._shapes)
-        result = fit_runtime([c for c, _ in keys], [p for _, p in keys],
-                             [self._shapes[k].median() for k in keys], self.b, self.c_startup, self.budget)
+        chunks, prefixes = np.array([c for c, _ in keys]), np.array([p for _, p in keys])
+        seconds = np.array([self._shapes[k].median() for k in keys])
+        result = fit_runtime(chunks, prefixes, seconds, self.b, self.c_startup, self.budget)
         if isinstance(result, Rejection):
             self.rejections.append(result.reason)
             if len(self.rejections) >= MAX_REJECTED_FITS:
                 self._give_up(f"{MAX_REJECTED_FITS} fits rejected, the last because {result.reason}")
             return result
         self.status, self.model = "accepted", result
+        self.fit_error = relative_rms(result, chunks, prefixes, seconds)
         return result
 
     @property

@@ -17,7 +17,7 @@ Contract (the scheduler calls, in this order each step):
 - `finish_request(request_id)`: forget per-request state.
 `prefill_chunk(seq, budget_left, step_tokens)` and `observe_step` make it a `jaxcpp.core.scheduler.ChunkSizer`.
 Start-up: `startup_sweep_sizes()` then `run_startup_sweep(forward)` (or `set_startup_fit(b, c)`).
-Reporting: `stats()` (state, policy, coefficients), `report()` (the periodic log line; `report_counts()`
+Reporting: `stats()` (state, policy, coefficients, fit error), `report()` (the periodic log line; `report_counts()`
 returns and resets its counters). `needs_ack` tells the PP head to wait for the last stage's
 acknowledgement of middle prefill chunks.
 
@@ -26,6 +26,7 @@ fixed chunking for good; calibrating gives each newly admitted sole prefill a ba
 between the budget and max(budget / 4, min chunk), kept for the whole prompt; installed sizes chunks
 with the policy ("equal-latency" per step, "optimal" planned at admission and replanned once when the
 load becomes sustained, i.e. a prompt comes while another prefills (`jaxcpp.chunking.load`), "fixed").
+"optimal" runs the largest fixed chunk predicted within the installed fit's error of its best plan.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class DynamicChunkController:
         self.policy = policy
         self.max_model_len = max_model_len
         self.model: LatencyModel | None = None
+        self.fit_error = 0.0
         self.gate = SolePrefillGate()
         self._num_prefill_sources = 1  # this step's, as last observed
         self.load = PrefillLoad()       # optimal: whether prompts keep arriving while others prefill
@@ -204,10 +206,17 @@ class DynamicChunkController:
         self._plans.pop(request_id, None)
 
     # ----- state ------------------------------------------------------------------------------------
-    def install(self, model: LatencyModel) -> None:
-        self.model, self.state = model, ChunkingState.INSTALLED
+    def install(self, model: LatencyModel, fit_error: float = 0.0) -> None:
+        """`fit_error`: the model's RMS residual over its calibration samples, as a share of their mean
+        latency (0 for a model taken as exact); `optimal` runs the largest fixed chunk predicted within it
+        of its best plan, if there is one."""
+        self.model, self.fit_error, self.state = model, fit_error, ChunkingState.INSTALLED
         self._bases.clear()
-        logger.info("Dynamic chunking latency model installed: %s", model.describe())
+        logger.info("Dynamic chunking latency model installed: %s", self.describe_model())
+
+    def describe_model(self) -> str | None:
+        """`a=… b=… c=… gamma=… (fit error …%)`, or None before a model is installed."""
+        return None if self.model is None else f"{self.model.describe()} (fit error {self.fit_error:.2%})"
 
     @property
     def needs_ack(self) -> bool:
@@ -216,7 +225,7 @@ class DynamicChunkController:
 
     def stats(self) -> dict[str, Any]:
         """State, policy and (once installed) the latency model's coefficients, for stats and metrics."""
-        coeffs = {} if self.model is None else dataclasses.asdict(self.model)
+        coeffs = {} if self.model is None else {**dataclasses.asdict(self.model), "fit_error": self.fit_error}
         return {"state": self.state.value, "policy": self.policy, **coeffs}
 
     def report(self) -> str:
@@ -254,7 +263,7 @@ class DynamicChunkController:
                         MAX_REJECTED_FITS, reason)
         status = self.calibrator.status
         if status == "accepted" and self.calibrator.model is not None:
-            self.install(self.calibrator.model)
+            self.install(self.calibrator.model, self.calibrator.fit_error)
         elif status == "gave_up":
             self._give_up(self.calibrator.give_up_reason or "calibration failed")
 
@@ -303,7 +312,8 @@ class DynamicChunkController:
         if plan is None or done not in plan:  # new prompt, the budget cut a planned chunk, or the load changed
             queued = max(self._num_prefill_sources - 1, 0)
             chunks = plan_optimal(self.model, prompt_len, self.settings, start=done,
-                                  queued=self.load.waiting_for(queued), sustained=self.load.sustained)
+                                  queued=self.load.waiting_for(queued), sustained=self.load.sustained,
+                                  margin=self.fit_error)
             starts = [done + sum(chunks[:i]) for i in range(len(chunks))]
             plan = self._plans[request_id] = dict(zip(starts, chunks, strict=True))
         self._counts["model"] += 1

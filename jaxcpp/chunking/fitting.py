@@ -102,13 +102,19 @@ def _prediction_standard_errors(design: np.ndarray, residual: np.ndarray) -> np.
     return np.sqrt(sigma2 * np.maximum(leverage, 0.0))
 
 
+def relative_rms(model: LatencyModel, chunk: np.ndarray, prefix: np.ndarray, seconds: np.ndarray) -> float:
+    """The RMS residual of `model` over the samples, as a share of their mean latency: the fit error."""
+    residual = seconds - model.predict(prefix, chunk)
+    return float(np.sqrt(np.mean(residual * residual)) / seconds.mean())
+
+
 def check_fit(fit: _Solve, chunk: np.ndarray, prefix: np.ndarray, seconds: np.ndarray,
               budget: int) -> Rejection | None:
     """The acceptance checks in order; the first that fails names itself."""
     model = fit.model
     mean = float(seconds.mean())
     residual = seconds - model.predict(prefix, chunk)
-    rms = float(np.sqrt(np.mean(residual * residual)))
+    rms = relative_rms(model, chunk, prefix, seconds) * mean
     q = attention_area(prefix, chunk)
     growth = model.a * float(q.max() - q.min())
     noise = max(rms, NOISE_FLOOR * mean)

@@ -11,6 +11,8 @@ one-dimensional over a cap τ on chunk latency:
    that keep every chunk at t ≤ τ: front-first (the fewest chunks) and back-first (every prefix L_i as
    short as it can be, so the least γ·Σ L_i for that count);
 2. score every row at once and keep the best; ties go to the earlier row, i.e. the fixed budget first.
+   With a fit error (`margin`), the simplest plan predicted within it of the best is kept instead: the
+   largest fixed chunk there, else the best planned plan.
    With prompts waiting for this one the score adds the time the plan holds the busiest stage once for
    each of them (`score`): fewer, larger chunks, which cost more makespan but less work.
 
@@ -157,9 +159,18 @@ def score(model: LatencyModel, plans: np.ndarray, settings: ChunkSettings, start
 
 
 def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, start: int = 0,
-                 queued: int = 0, sustained: bool = False) -> list[int]:
+                 queued: int = 0, sustained: bool = False, margin: float = 0.0) -> list[int]:
     """The chunk plan for tokens start..prompt_len that minimises the predicted makespan (with `queued`
-    prompts waiting for it, under `sustained` load or not: see `score`)."""
+    prompts waiting for it, under `sustained` load or not: see `score`).
+
+    `margin`: how far the model is trusted, as a share of a prediction (the installed fit's error, in
+    [0, 1)). The plan taken is the simplest one predicted within that share of the best: a fixed chunk
+    before a planned plan, a larger fixed chunk before a smaller one. A fit that misses its own samples by
+    4% cannot tell plans 3% apart, and fewer, larger chunks are what the engine runs without a model (and
+    where the fits on real compute erred least: docs/dynamic_chunking.md). 0 trusts the model fully: the
+    best plan, ties to the earlier."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
     todo = prompt_len - start
     sizes = planner_sizes(settings)
     if todo <= 0:
@@ -176,10 +187,14 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
         np.asarray(model.predict(float(start), sizes.astype(np.float64))),
         fixed_times.max(axis=1),
     ]))
-    candidates = [fixed, equal, fill_front(model, prompt_len, start, sizes, taus),
-                  fill_back(model, prompt_len, start, sizes, taus)]
+    planned = [equal, fill_front(model, prompt_len, start, sizes, taus),
+               fill_back(model, prompt_len, start, sizes, taus)]
     # Scored group by group: a group's width is its longest plan, so no group pays for another's.
-    scored = [(float(s.min()), group[int(np.argmin(s))]) for group in candidates if len(group)
-              for s in [score(model, group, settings, start, queued, sustained)]]
-    best = min(scored, key=lambda item: item[0])[1]  # min() keeps the first of equals: fixed before others
+    fixed_scores = score(model, fixed, settings, start, queued, sustained)
+    planned_score, best_planned = min(
+        ((float(s.min()), group[int(np.argmin(s))]) for group in planned if len(group)
+         for s in [score(model, group, settings, start, queued, sustained)]), key=lambda item: item[0])
+    best_score = min(planned_score, float(fixed_scores.min()))
+    trusted = np.flatnonzero(fixed_scores <= best_score / (1.0 - margin))  # fixed plans come largest first
+    best = fixed[trusted[0]] if len(trusted) else best_planned
     return [int(v) for v in best if v > 0]

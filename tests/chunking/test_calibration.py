@@ -142,6 +142,26 @@ def test_calibrator_discards_the_first_request_then_accepts():
     assert cal.status == "accepted" and cal.model.a == pytest.approx(TRUE.a, rel=1e-6)
 
 
+def test_the_accepted_fit_reports_its_error_over_its_own_samples():
+    exact = RuntimeCalibrator(BUDGET, TRUE.b, TRUE.c)
+    for request_id, chunk in (("warm-up", 32768), ("r1", 8192), ("r2", 32768)):
+        feed(exact, request_id, chunk, 131072)
+    assert exact.status == "accepted" and exact.fit_error < 1e-9
+    noisy = RuntimeCalibrator(BUDGET, TRUE.b, TRUE.c)
+    shapes = []
+    for request_id, chunk in (("warm-up", 32768), ("r1", 8192), ("r2", 32768), ("r3", 8192)):
+        for n, prefix in enumerate(range(0, 131072, chunk)):
+            seconds = float(TRUE.predict(prefix, chunk)) * (1.03 if n % 2 else 0.97)
+            if noisy.status == "collecting" and request_id != "warm-up":
+                shapes.append((chunk, prefix, seconds))
+            noisy.record(chunk, prefix, seconds, request_id)
+    assert noisy.status == "accepted"
+    x, L, t = (np.array(column, dtype=np.float64) for column in zip(*shapes, strict=True))
+    residual = t - noisy.model.predict(L, x)
+    assert noisy.fit_error == pytest.approx(np.sqrt(np.mean(residual**2)) / t.mean(), rel=1e-9)
+    assert 0.02 < noisy.fit_error < 0.04  # ±3% of each time; the long chunks weigh more
+
+
 def test_one_prefix_never_fits():
     cal = RuntimeCalibrator(BUDGET, TRUE.b, TRUE.c)
     for i, n in enumerate([1000, 2000, 4000, 8000, 16000, 32000, 30000, 20000]):

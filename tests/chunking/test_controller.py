@@ -7,8 +7,9 @@ import pytest
 from jaxcpp.chunking.controller import DynamicChunkController, format_report
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.load import ROUNDS_AHEAD
-from jaxcpp.chunking.optimal import plan_optimal
-from jaxcpp.chunking.planner import ChunkSettings
+from jaxcpp.chunking.makespan import predicted_ttft
+from jaxcpp.chunking.optimal import plan_optimal, planner_sizes
+from jaxcpp.chunking.planner import ChunkSettings, plan_fixed
 from jaxcpp.config import EngineConfig
 
 A = 2.9e-10
@@ -101,6 +102,46 @@ def test_optimal_policy_follows_its_plan_and_replans_when_the_budget_cuts_it():
     assert cut == 960
     ctl.observe_step(1)
     assert ctl.chunk_size_for("s", 131072, first + cut, 32768) > 0  # replanned from there
+
+
+def test_optimal_departs_from_fixed_chunks_only_for_a_gain_above_the_fit_error():
+    """Calibrated on 4096-token prompts (budget 1024, PP 2) from timings of run D's real-compute fit:
+    exact, the plan is optimal's own; ±4% off, the fit misses its samples by more than the gain that plan
+    predicts over the best fixed chunk, so the controller runs the largest fixed chunk within the fit
+    error of it."""
+    run_d = LatencyModel(a=7.23e-8, b=1.04e-4, c=0.0069, gamma=0.0)
+    small = ChunkSettings(budget=1024, min_chunk_size=128, pipeline_parallel_size=2)
+
+    def calibrated(noise):
+        ctl = DynamicChunkController(small, policy="optimal")
+        ctl.set_startup_fit(run_d.b, run_d.c)
+        timings = Noisy(run_d, noise)
+        for i in range(6):
+            prefill_alone(ctl, f"calibration {i}", 4096, model=timings, budget=1024)
+        assert ctl.state == "installed" and ctl.stats()["fit_error"] == ctl.fit_error
+        return ctl
+
+    exact = calibrated([1.0])
+    assert exact.fit_error < 1e-9
+    assert prefill_alone(exact, "r", 4096, budget=1024) == plan_optimal(exact.model, 4096, small)
+    rough = calibrated([1.04, 0.96, 0.96, 1.04])
+    fixed = {int(x): predicted_ttft(rough.model, plan_fixed(4096, int(x)), 2) for x in planner_sizes(small)}
+    best = predicted_ttft(rough.model, plan_optimal(rough.model, 4096, small), 2)
+    assert rough.fit_error > 1 - best / min(fixed.values()) > 0.01
+    largest = max(x for x, t in fixed.items() if t <= best / (1 - rough.fit_error))
+    assert largest > min(fixed, key=fixed.__getitem__)
+    assert prefill_alone(rough, "r", 4096, budget=1024) == plan_fixed(4096, largest)
+
+
+class Noisy:
+    """Timings of `model`, each times the next factor of `noise` in turn."""
+
+    def __init__(self, model, noise):
+        self.model, self.noise, self.calls = model, noise, 0
+
+    def predict(self, prefix, chunk):
+        self.calls += 1
+        return self.model.predict(prefix, chunk) * self.noise[self.calls % len(self.noise)]
 
 
 def test_optimal_prefills_long_prompts_one_at_a_time_in_their_own_plans():

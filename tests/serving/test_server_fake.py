@@ -185,7 +185,7 @@ def test_prometheus_metrics(serve) -> None:
                          dynamic_chunking_min_chunk_size=16)
     engine.chunking.install(LatencyModel(a=2.5e-9, b=1e-5, c=0.02, gamma=4e-7))
     assert engine.chunking.stats() == {"state": "installed", "policy": "optimal", "a": 2.5e-9, "b": 1e-5,
-                                       "c": 0.02, "gamma": 4e-7}
+                                       "c": 0.02, "gamma": 4e-7, "fit_error": 0.0}
     server = serve(engine, metrics_port=0)
     with Client(f"127.0.0.1:{server.port}") as client:
         for _ in range(3):
@@ -200,12 +200,13 @@ def test_prometheus_metrics(serve) -> None:
                  "jaxcpp_requests_in_flight 0.0", "jaxcpp_kv_cache_pages_used 0.0",
                  "jaxcpp_compilations_since_warmup 0.0", "jaxcpp_generation_tokens_total 15.0",
                  'jaxcpp_dynamic_chunking{name="a"} 2.5e-09', 'jaxcpp_dynamic_chunking{name="gamma"} 4e-07',
+                 'jaxcpp_dynamic_chunking{name="fit_error"} 0.0',
                  'jaxcpp_dynamic_chunking_info{name="state",value="installed"} 1.0',
                  'jaxcpp_dynamic_chunking_info{name="policy",value="optimal"} 1.0'):
         assert line in body, line
     with Client(f"127.0.0.1:{server.port}") as client:
         stats = client.stats()
-    assert stats.engine.dynamic_chunking == {"a": 2.5e-9, "b": 1e-5, "c": 0.02, "gamma": 4e-7}
+    assert stats.engine.dynamic_chunking == {"a": 2.5e-9, "b": 1e-5, "c": 0.02, "gamma": 4e-7, "fit_error": 0.0}
     assert stats.dynamic_chunking_labels == {"state": "installed", "policy": "optimal"}
 
 
