@@ -1,7 +1,7 @@
 """One entry point over the chunking policies: "fixed", "equal-latency" (ATOM's rule) and "optimal".
 
     next_chunk_size(policy, model, prompt_len, num_computed_tokens, budget_left, settings)  # one step
-    plan_chunks(policy, prompt_len, settings, model)                                        # a prompt
+    plan_chunks(policy, prompt_len, settings, model, fit_error=0.0)                         # a prompt
 
 Both are stateless (`optimal` replans the rest of the prompt on every call; the controller caches its
 plans). They sit above planner.py and optimal.py so that neither of those imports the other's caller.
@@ -37,11 +37,12 @@ def next_chunk_size(policy: str, model: LatencyModel | None, prompt_len: int, nu
 
 
 def plan_chunks(policy: str, prompt_len: int, settings: ChunkSettings,
-                model: LatencyModel | None = None, start: int = 0) -> list[int]:
-    """Every chunk of one prompt, prefilled alone with the full budget each step."""
+                model: LatencyModel | None = None, start: int = 0, fit_error: float = 0.0) -> list[int]:
+    """Every chunk of one prompt, prefilled alone with the full budget each step (`fit_error`: the
+    installed model's, which `optimal` trusts it to; see `plan_optimal`'s margin)."""
     check_policy(policy)
     if policy == "fixed" or model is None:
         return plan_fixed(prompt_len, settings.budget, start)
     if policy == "optimal":
-        return plan_optimal(model, prompt_len, settings, start=start)
+        return plan_optimal(model, prompt_len, settings, start=start, margin=fit_error)
     return plan_equal_latency(prompt_len, settings, model, start)

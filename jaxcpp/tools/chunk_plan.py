@@ -47,6 +47,10 @@ def add_parser(subparsers: Any) -> None:
                         "is required)")
     source.add_argument("--model-file", help="latency model JSON (LatencyModel.save; calibration writes "
                         "seconds; this or --coeffs is required)")
+    p.add_argument("--fit-error", type=float, default=0.0,
+                   help="the calibrated model's fit error as a fraction, as the engine logs it ('fit error "
+                   "3.90%%' is 0.039): optimal keeps the largest fixed chunk predicted within it of its best "
+                   "plan (default 0: the model taken as exact)")
     for config_cls, names in _ENGINE_FLAGS:
         add_config_args(p, config_cls, only=names, required=_REQUIRED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -61,15 +65,17 @@ def _entry(name: str, chunks: list[int], model: LatencyModel, settings: ChunkSet
             "ttft": predicted_ttft(model, chunks, settings.pipeline_parallel_size, settings.stage_weights)}
 
 
-def build_report(prompt_len: int, policy: str, model: LatencyModel, settings: ChunkSettings) -> dict[str, Any]:
+def build_report(prompt_len: int, policy: str, model: LatencyModel, settings: ChunkSettings,
+                 fit_error: float = 0.0) -> dict[str, Any]:
     budget = settings.budget
-    plans = [_entry(policy, plan_chunks(policy, prompt_len, settings, model), model, settings)]
+    plans = [_entry(policy, plan_chunks(policy, prompt_len, settings, model, fit_error=fit_error), model, settings)]
     for size in dict.fromkeys(max(budget // d, 1) for d in (1, 2, 4)):
         plans.append(_entry(f"fixed {size}", plan_fixed(prompt_len, size), model, settings))
     return {"prompt_len": prompt_len, "budget": budget,
             "pipeline_parallel_size": settings.pipeline_parallel_size, "policy": policy,
             "smooth_factor": settings.smooth_factor, "min_chunk_size": settings.min_chunk_size,
-            "alignment": settings.alignment, "model": json.loads(model.to_json()), "plans": plans}
+            "alignment": settings.alignment, "model": json.loads(model.to_json()), "fit_error": fit_error,
+            "plans": plans}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -79,6 +85,7 @@ def format_report(report: dict[str, Any]) -> str:
              f"{report['smooth_factor']}, min chunk {report['min_chunk_size']}, "
              f"alignment {report['alignment']})",
              "model: " + " ".join(f"{k}={report['model'][k]:.6g}" for k in ("a", "b", "c", "gamma"))
+             + f", fit error {report['fit_error']:.2%}"
              + " (times below are in the coefficients' units: seconds for a calibrated model)",
              "", f"{report['policy']} chunks (tokens, predicted time):"]
     lines += [f"  {i:3d}  {x:7d}  {t:.6g}" for i, (x, t) in
@@ -95,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = LatencyModel.load(args.model_file) if args.model_file else LatencyModel.parse_coeffs(args.coeffs)
         config = engine_config_from_args(args)  # validates like the engine; errors name the flag
+        if not 0.0 <= args.fit_error < 1.0:
+            raise ValueError(f"--fit-error must be in [0, 1), got {args.fit_error}")
         settings = settings_from_config(config)
-        report = build_report(args.prompt_len, config.chunking.dynamic_chunking_policy, model, settings)
+        report = build_report(args.prompt_len, config.chunking.dynamic_chunking_policy, model, settings,
+                              args.fit_error)
     except (OSError, ValueError) as err:  # ConfigError is a ValueError; it names the flag
         print(f"chunk-plan: {err}", file=sys.stderr)
         return 2

@@ -39,6 +39,21 @@ def test_json_for_machines_from_a_model_file(tmp_path, capsys):
     assert len(plans["optimal"]["chunk_times"]) == len(plans["optimal"]["chunks"])
 
 
+def test_the_fit_error_keeps_the_largest_fixed_chunk_within_it(capsys):
+    """Run D's real-compute fit (docs/benchmarks.md) at 4096 tokens: the engine, logging a fit error of
+    4%, would run fixed 320-token chunks where the model taken as exact plans its own."""
+    small = ["chunk-plan", "--prompt-len", "4096", "--max-num-batched-tokens", "1024", "--pipeline-parallel-size",
+             "2", "--dynamic-chunking-min-chunk-size", "128", "--dynamic-chunking-policy", "optimal",
+             "--coeffs", "7.23e-8,1.04e-4,0.0069,0", "--json"]
+    plans = {}
+    for fit_error in ("0", "0.04"):
+        assert cli.main(small + ["--fit-error", fit_error]) == 0
+        plans[fit_error] = json.loads(capsys.readouterr().out)["plans"][0]["chunks"]
+    assert len(set(plans["0"])) > 2 and plans["0.04"] == [320] * 12 + [256]
+    assert cli.main(small + ["--fit-error", "1"]) == 2
+    assert "--fit-error must be in [0, 1), got 1.0" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # matplotlib's import is most of it
 def test_plot_writes_a_png(tmp_path, capsys):
     out = tmp_path / "timeline.png"
