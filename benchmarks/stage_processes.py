@@ -13,9 +13,10 @@ a temporary folder. Every stage process is pinned to its own core with single-th
                speed-up the median of each round's ratio
     ttft       a lone prompt, median of --reps: fixed chunks at budget, budget/2, budget/4 (engines with
                that --max-num-batched-tokens), and on one dynamic-chunking engine (calibrated from the
-               stage processes' runtime timings; the log lines are printed) equal-latency and optimal,
-               the five alternated round by round; each beside `predicted_ttft` of the chunks the engine
-               really scheduled, from the installed model
+               stage processes' runtime timings; the log lines are printed) equal-latency, optimal
+               (trusting the fit to its error) and optimal with the fit taken as exact, the six
+               alternated round by round; each beside `predicted_ttft` of the chunks the engine really
+               scheduled, from the installed model
     hostcost   a small model (hidden 64, 8 layers, 64-token steps): head submit -> stage received, where
                the stage was already waiting (control channel), and max(producer done, consumer's pull
                start) -> consumer inputs ready (activation hop: await_pull + pull), at P = 2, 4 and 8
@@ -190,10 +191,14 @@ def calibrated_engine(args: argparse.Namespace, **kw: object):  # type: ignore[n
     return llm, ctl.model
 
 
+EXACT_FIT = "optimal, exact fit"
+
+
 def part_ttft(args: argparse.Namespace) -> dict:
-    """The five policies on four engines alive at once (an idle engine's processes take no CPU), warmed
-    by a full untimed run each, then --reps rounds running each policy once, in an order rotated round
-    by round, so a machine whose speed drifts slows them all alike."""
+    """The policies on four engines alive at once (an idle engine's processes take no CPU), warmed by a
+    full untimed run each, then --reps rounds running each policy once, in an order rotated round by
+    round, so a machine whose speed drifts slows them all alike. "optimal" is the engine's (trusting the
+    fit to its error); "optimal, exact fit" the same engine with the fit error set to 0."""
     from jaxcpp.chunking.makespan import predicted_ttft
 
     long = prompt(args.prompt_len, 3)
@@ -203,7 +208,8 @@ def part_ttft(args: argparse.Namespace) -> dict:
     ctl = dyn.engine.chunking
     engines = {f"fixed {args.budget // d}": engine(args.model, max_num_batched_tokens=args.budget // d, **base)
                for d in (1, 2, 4)}
-    policies = list(engines) if model is None else ["equal-latency", "optimal", *engines]
+    fit_error = ctl.fit_error
+    policies = list(engines) if model is None else ["equal-latency", "optimal", EXACT_FIT, *engines]
     rows = {p: {"policy": p, "measured": [], "chunks": [], "over_flow_shop": []} for p in policies}
     seen = {id(llm): record_chunks(llm) for llm in (dyn, *engines.values())}
     png_steps = None
@@ -211,7 +217,8 @@ def part_ttft(args: argparse.Namespace) -> dict:
         for p in rotated(policies, r):
             llm = engines.get(p, dyn)
             if p not in engines:
-                ctl.policy = p
+                ctl.policy = "optimal" if p == EXACT_FIT else p
+                ctl.fit_error = 0.0 if p == EXACT_FIT else fit_error
             chunks = seen[id(llm)]
             chunks.clear()
             first_step = llm.engine.scheduler.num_steps
@@ -337,7 +344,7 @@ def main() -> None:
             pred = (f"predicted {r['predicted']:.3f}s ({(med / r['predicted'] - 1) * 100:+.0f}%)"
                     if r["predicted"] else "no installed model to predict from")
             pipe = statistics.median(r["over_flow_shop"]) * 100
-            print(f"  {r['policy']:>14}: measured {med:.3f}s {[round(t, 3) for t in r['measured']]}, {pred}, "
+            print(f"  {r['policy']:>18}: measured {med:.3f}s {[round(t, 3) for t in r['measured']]}, {pred}, "
                   f"{gain:.3f}x the speed of fixed {args.budget} (median of rounds), forwards' span {pipe:+.1f}% over "
                   f"their flow shop (median), chunks {r['chunks']}")
     if "hostcost" in only:

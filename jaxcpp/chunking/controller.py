@@ -26,7 +26,8 @@ fixed chunking for good; calibrating gives each newly admitted sole prefill a ba
 between the budget and max(budget / 4, min chunk), kept for the whole prompt; installed sizes chunks
 with the policy ("equal-latency" per step, "optimal" planned at admission and replanned once when the
 load becomes sustained, i.e. a prompt comes while another prefills (`jaxcpp.chunking.load`), "fixed").
-"optimal" runs the largest fixed chunk predicted within the installed fit's error of its best plan.
+"optimal" runs the middle one of the fixed chunks predicted within the installed fit's error of its best
+plan, where there are any.
 """
 
 from __future__ import annotations
@@ -208,8 +209,8 @@ class DynamicChunkController:
     # ----- state ------------------------------------------------------------------------------------
     def install(self, model: LatencyModel, fit_error: float = 0.0) -> None:
         """`fit_error`: the model's RMS residual over its calibration samples, as a share of their mean
-        latency (0 for a model taken as exact); `optimal` runs the largest fixed chunk predicted within it
-        of its best plan, if there is one."""
+        latency (0 for a model taken as exact); `optimal` runs the middle one of the fixed chunks predicted
+        within it of its best plan, where there are any."""
         self.model, self.fit_error, self.state = model, fit_error, ChunkingState.INSTALLED
         self._bases.clear()
         logger.info("Dynamic chunking latency model installed: %s", self.describe_model())

@@ -11,8 +11,8 @@ one-dimensional over a cap τ on chunk latency:
    that keep every chunk at t ≤ τ: front-first (the fewest chunks) and back-first (every prefix L_i as
    short as it can be, so the least γ·Σ L_i for that count);
 2. score every row at once and keep the best; ties go to the earlier row, i.e. the fixed budget first.
-   With a fit error (`margin`), the simplest plan predicted within it of the best is kept instead: the
-   largest fixed chunk there, else the best planned plan.
+   With a fit error (`margin`), fixed chunks predicted within it of the best are taken instead: the
+   middle one of them by size.
    With prompts waiting for this one the score adds the time the plan holds the busiest stage once for
    each of them (`score`): fewer, larger chunks, which cost more makespan but less work.
 
@@ -164,11 +164,12 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
     prompts waiting for it, under `sustained` load or not: see `score`).
 
     `margin`: how far the model is trusted, as a share of a prediction (the installed fit's error, in
-    [0, 1)). The plan taken is the simplest one predicted within that share of the best: a fixed chunk
-    before a planned plan, a larger fixed chunk before a smaller one. A fit that misses its own samples by
-    4% cannot tell plans 3% apart, and fewer, larger chunks are what the engine runs without a model (and
-    where the fits on real compute erred least: docs/dynamic_chunking.md). 0 trusts the model fully: the
-    best plan, ties to the earlier."""
+    [0, 1)). Fixed chunks predicted within that share of the best plan are ones the model cannot tell
+    from it: if there are any, the middle one of them is taken (the upper middle, by size), else the best
+    plan. A fit that misses its own samples by 4% cannot tell plans 3% apart, and on real compute such
+    fits erred towards small chunks as often as towards large ones (docs/dynamic_chunking.md), so the
+    middle of the sizes it cannot rank is the choice that errs least either way. 0 trusts the model
+    fully: the best plan, ties to the fixed budget first."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     todo = prompt_len - start
@@ -196,5 +197,5 @@ def plan_optimal(model: LatencyModel, prompt_len: int, settings: ChunkSettings, 
          for s in [score(model, group, settings, start, queued, sustained)]), key=lambda item: item[0])
     best_score = min(planned_score, float(fixed_scores.min()))
     trusted = np.flatnonzero(fixed_scores <= best_score / (1.0 - margin))  # fixed plans come largest first
-    best = fixed[trusted[0]] if len(trusted) else best_planned
+    best = fixed[trusted[(len(trusted) - 1) // 2]] if len(trusted) else best_planned
     return [int(v) for v in best if v > 0]

@@ -49,8 +49,8 @@ def add_parser(subparsers: Any) -> None:
                         "seconds; this or --coeffs is required)")
     p.add_argument("--fit-error", type=float, default=0.0,
                    help="the calibrated model's fit error as a fraction, as the engine logs it ('fit error "
-                   "3.90%%' is 0.039): optimal keeps the largest fixed chunk predicted within it of its best "
-                   "plan (default 0: the model taken as exact)")
+                   "3.90%%' is 0.039): optimal runs the middle one of the fixed chunks predicted within it of "
+                   "its best plan, where there are any (default 0: the model taken as exact)")
     for config_cls, names in _ENGINE_FLAGS:
         add_config_args(p, config_cls, only=names, required=_REQUIRED)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

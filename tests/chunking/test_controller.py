@@ -107,8 +107,8 @@ def test_optimal_policy_follows_its_plan_and_replans_when_the_budget_cuts_it():
 def test_optimal_departs_from_fixed_chunks_only_for_a_gain_above_the_fit_error():
     """Calibrated on 4096-token prompts (budget 1024, PP 2) from timings of run D's real-compute fit:
     exact, the plan is optimal's own; ±4% off, the fit misses its samples by more than the gain that plan
-    predicts over the best fixed chunk, so the controller runs the largest fixed chunk within the fit
-    error of it."""
+    predicts over the best fixed chunk, so the controller runs the middle one of the fixed chunks within
+    the fit error of it."""
     run_d = LatencyModel(a=7.23e-8, b=1.04e-4, c=0.0069, gamma=0.0)
     small = ChunkSettings(budget=1024, min_chunk_size=128, pipeline_parallel_size=2)
 
@@ -128,9 +128,9 @@ def test_optimal_departs_from_fixed_chunks_only_for_a_gain_above_the_fit_error()
     fixed = {int(x): predicted_ttft(rough.model, plan_fixed(4096, int(x)), 2) for x in planner_sizes(small)}
     best = predicted_ttft(rough.model, plan_optimal(rough.model, 4096, small), 2)
     assert rough.fit_error > 1 - best / min(fixed.values()) > 0.01
-    largest = max(x for x, t in fixed.items() if t <= best / (1 - rough.fit_error))
-    assert largest > min(fixed, key=fixed.__getitem__)
-    assert prefill_alone(rough, "r", 4096, budget=1024) == plan_fixed(4096, largest)
+    within = sorted(x for x, t in fixed.items() if t <= best / (1 - rough.fit_error))
+    assert len(within) > 2
+    assert prefill_alone(rough, "r", 4096, budget=1024) == plan_fixed(4096, within[len(within) // 2])
 
 
 class Noisy:

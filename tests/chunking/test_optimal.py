@@ -128,10 +128,15 @@ RUN_D = LatencyModel(a=7.23e-8, b=1.04e-4, c=0.0069, gamma=0.0)
 SMALL = ChunkSettings(budget=1024, min_chunk_size=128, pipeline_parallel_size=2)
 
 
+def middle(sizes: list[int]) -> int:
+    """The upper middle of some sizes."""
+    return sorted(sizes)[len(sizes) // 2]
+
+
 def test_a_plan_departs_from_fixed_chunks_only_for_a_gain_above_the_margin():
-    """Under run D's fit its own plan predicts 2.8% less than the best fixed chunk (192; fixed 256 was
-    measured, and the plan came out 5-10% slower): a gain a fit error of 4% cannot vouch for. Below the
-    margin the plan is taken; at or above it the largest fixed chunk predicted within the margin of it."""
+    """Under run D's fit its own plan predicts 2.8% less than the best fixed chunk (192; the plan
+    measured 10% behind fixed 256): a gain a fit error of 4% cannot vouch for. Below the margin the plan
+    is taken; at or above it the middle one of the fixed chunks predicted within the margin of it."""
     fixed = {int(x): predicted_ttft(RUN_D, plan_fixed(4096, int(x)), 2) for x in planner_sizes(SMALL)}
     planned = plan_optimal(RUN_D, 4096, SMALL)
     best = predicted_ttft(RUN_D, planned, 2)
@@ -139,25 +144,25 @@ def test_a_plan_departs_from_fixed_chunks_only_for_a_gain_above_the_margin():
     assert min(fixed, key=fixed.__getitem__) == 192 and 0.02 < gain < 0.03 and len(set(planned[:-1])) > 1
     assert plan_optimal(RUN_D, 4096, SMALL, margin=0.99 * gain) == planned
     for margin in (1.01 * gain, 0.04, 0.1):
-        largest = max(x for x, t in fixed.items() if t <= best / (1 - margin))
-        assert plan_optimal(RUN_D, 4096, SMALL, margin=margin) == plan_fixed(4096, largest)
-    assert plan_optimal(RUN_D, 4096, SMALL, margin=0.04) == plan_fixed(4096, 320)
+        within = middle([x for x, t in fixed.items() if t <= best / (1 - margin)])
+        assert plan_optimal(RUN_D, 4096, SMALL, margin=margin) == plan_fixed(4096, within)
+    assert plan_optimal(RUN_D, 4096, SMALL, margin=0.04) == plan_fixed(4096, 256)  # of 192, 256, 320
 
 
 @settings(max_examples=25, deadline=None)
 @given(a=st.floats(1e-3, 10.0), b=st.floats(1.0, 1e5), c=st.floats(0.0, 1e9), gamma=st.floats(0.0, 1e4),
        prompt_len=st.integers(1, 200_000), pp=st.integers(2, 8), margin=st.floats(0.0, 0.3))
-def test_with_a_margin_the_plan_is_the_largest_fixed_chunk_within_it_of_the_best(a, b, c, gamma, prompt_len, pp,
+def test_with_a_margin_the_plan_is_the_middle_fixed_chunk_within_it_of_the_best(a, b, c, gamma, prompt_len, pp,
                                                                                    margin):
     model = LatencyModel(a, b, c, gamma)
     s = ChunkSettings(budget=8192, min_chunk_size=1024, pipeline_parallel_size=pp)
     plan = plan_optimal(model, prompt_len, s, margin=margin)
     assert sum(plan) == prompt_len
     best = predicted_ttft(model, plan_optimal(model, prompt_len, s), pp)
-    sizes = planner_sizes(s)[::-1]  # largest first
+    sizes = planner_sizes(s)
     within = fixed_ttft_closed_form(model, prompt_len, sizes, pp) <= best / (1 - margin) * (1 + 1e-9)
-    same = [plan == plan_fixed(prompt_len, int(x)) for x in sizes]
-    if any(within):
-        assert same[int(np.argmax(within))]  # the largest fixed chunk within the margin of the best
+    if within.any():
+        assert plan == plan_fixed(prompt_len, middle(sizes[within].tolist()))
     else:
-        assert predicted_ttft(model, plan, pp) == best and not any(same)
+        assert predicted_ttft(model, plan, pp) == best
+        assert not any(plan == plan_fixed(prompt_len, int(x)) for x in sizes)
