@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import queue
+import random
 import re
 import secrets
 import signal
@@ -108,8 +109,38 @@ class _Submitted:
     want_prompt_logprobs: bool
 
 
+# Where free_port draws from: above the well-known services' ports, below the kernel's ephemeral range.
+_FREE_PORTS_FROM = 10000
+_DEFAULT_EPHEMERAL = (32768, 60999)
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' source ports from (Linux's default elsewhere)."""
+    try:
+        with open(path) as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on `host` now, for a server that another process binds seconds later.
+
+    Drawn below the ephemeral range: a port the kernel hands out for a bind to 0 lies in that range, and
+    on a busy machine an outgoing connection took one as its source port before stage 0 bound it (its
+    jax.distributed coordinator then failed: "Failed to start RPC server")."""
+    low = ephemeral_ports()[0]
+    rng = random.Random()
+    for _ in range(64 if low - _FREE_PORTS_FROM >= 1024 else 0):
+        port = rng.randrange(_FREE_PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
