@@ -164,7 +164,7 @@ class RuntimeCalibrator:
                 self._give_up(f"{MAX_REJECTED_FITS} fits rejected, the last because {result.reason}")
             return result
         self.status, self.model = "accepted", result
-        self.fit_error = relative_rms(result, chunks, prefixes, seconds)
+        self.fit_error = relative_rms(seconds - result.predict(prefixes, chunks), seconds)
         return result
 
     @property

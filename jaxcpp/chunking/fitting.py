@@ -102,9 +102,8 @@ def _prediction_standard_errors(design: np.ndarray, residual: np.ndarray) -> np.
     return np.sqrt(sigma2 * np.maximum(leverage, 0.0))
 
 
-def relative_rms(model: LatencyModel, chunk: np.ndarray, prefix: np.ndarray, seconds: np.ndarray) -> float:
-    """The RMS residual of `model` over the samples, as a share of their mean latency: the fit error."""
-    residual = seconds - model.predict(prefix, chunk)
+def relative_rms(residual: np.ndarray, seconds: np.ndarray) -> float:
+    """The RMS of a fit's residuals over its samples, as a share of their mean latency: the fit error."""
     return float(np.sqrt(np.mean(residual * residual)) / seconds.mean())
 
 
@@ -114,7 +113,7 @@ def check_fit(fit: _Solve, chunk: np.ndarray, prefix: np.ndarray, seconds: np.nd
     model = fit.model
     mean = float(seconds.mean())
     residual = seconds - model.predict(prefix, chunk)
-    rms = relative_rms(model, chunk, prefix, seconds) * mean
+    rms = relative_rms(residual, seconds) * mean
     q = attention_area(prefix, chunk)
     growth = model.a * float(q.max() - q.min())
     noise = max(rms, NOISE_FLOOR * mean)

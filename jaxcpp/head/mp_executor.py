@@ -127,20 +127,19 @@ def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, for a server that another process binds seconds later.
 
-    Drawn below the ephemeral range: a port the kernel hands out for a bind to 0 lies in that range, and
-    on a busy machine an outgoing connection took one as its source port before stage 0 bound it (its
-    jax.distributed coordinator then failed: "Failed to start RPC server")."""
+    Drawn below the ephemeral range: a port the kernel hands out for a bind to 0 lies in that range, where
+    outgoing connections take their source ports, and once on a busy machine such a port was taken
+    before stage 0 bound it (its jax.distributed coordinator then failed: "Failed to start RPC server")."""
     low = ephemeral_ports()[0]
-    rng = random.Random()
-    for _ in range(64 if low - _FREE_PORTS_FROM >= 1024 else 0):
-        port = rng.randrange(_FREE_PORTS_FROM, low)
+    below = range(_FREE_PORTS_FROM, low)
+    for port in random.sample(below, 64) if len(below) >= 1024 else ():
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
             return port
-    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
+    with socket.socket() as s:  # no room below the ephemeral range, or none of 64 free: the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

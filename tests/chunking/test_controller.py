@@ -104,6 +104,17 @@ def test_optimal_policy_follows_its_plan_and_replans_when_the_budget_cuts_it():
     assert ctl.chunk_size_for("s", 131072, first + cut, 32768) > 0  # replanned from there
 
 
+class Noisy:
+    """Timings of `model`, each times the next factor of `noise` in turn."""
+
+    def __init__(self, model, noise):
+        self.model, self.noise, self.calls = model, noise, 0
+
+    def predict(self, prefix, chunk):
+        self.calls += 1
+        return self.model.predict(prefix, chunk) * self.noise[self.calls % len(self.noise)]
+
+
 def test_optimal_departs_from_fixed_chunks_only_for_a_gain_above_the_fit_error():
     """Calibrated on 4096-token prompts (budget 1024, PP 2) from timings of run D's real-compute fit:
     exact, the plan is optimal's own; ±4% off, the fit misses its samples by more than the gain that plan
@@ -131,17 +142,6 @@ def test_optimal_departs_from_fixed_chunks_only_for_a_gain_above_the_fit_error()
     within = sorted(x for x, t in fixed.items() if t <= best / (1 - rough.fit_error))
     assert len(within) > 2
     assert prefill_alone(rough, "r", 4096, budget=1024) == plan_fixed(4096, within[len(within) // 2])
-
-
-class Noisy:
-    """Timings of `model`, each times the next factor of `noise` in turn."""
-
-    def __init__(self, model, noise):
-        self.model, self.noise, self.calls = model, noise, 0
-
-    def predict(self, prefix, chunk):
-        self.calls += 1
-        return self.model.predict(prefix, chunk) * self.noise[self.calls % len(self.noise)]
 
 
 def test_optimal_prefills_long_prompts_one_at_a_time_in_their_own_plans():
