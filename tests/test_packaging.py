@@ -34,3 +34,18 @@ def test_wheel_builds_without_package_data_warnings(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "jaxcpp/models/checkpoints/tiny/config.json" in names
     assert "jaxcpp/serving/proto/jaxcpp/v1/jaxcpp.proto" in names
+
+
+@pytest.mark.parametrize("name", ["kernels", "models"])
+def test_checkout_folders_do_not_shadow_installed_top_level_names(name: str) -> None:
+    """An installed distribution's top-level module (transformers 5 imports Hugging Face's `kernels`) wins
+    over the checkout's folder of that name, which is only ever imported as `jaxcpp.<name>`."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"no distribution named {name!r} is installed")
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None
+    assert Path(spec.origin).resolve().parent != REPO / name, spec.origin
