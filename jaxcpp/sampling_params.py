@@ -12,9 +12,10 @@ the field. Names and defaults follow vLLM's `SamplingParams`. What runs where:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+
+import numpy as np
 
 from jaxcpp.errors import InvalidRequestError
 
@@ -23,6 +24,7 @@ MAX_N = 128         # samples of one prompt
 MAX_STOP_STRINGS = 16
 MAX_BANNED_IDS = 8  # stop ids (EOS + stop_token_ids) min_tokens keeps from being sampled
 FLOAT32_MAX = 3.4028234663852886e38  # temperatures past it are infinite on the device
+INT32_MAX = 2**31 - 1  # the device's int32: every integer that reaches a step's arrays is checked against it
 
 
 @dataclass(frozen=True)
@@ -51,15 +53,18 @@ class SamplingParams:
         self._check_outputs()
 
     def _check_limits(self) -> None:
-        if not all(isinstance(t, int) for t in self.stop_token_ids):  # ids no token has simply never match
-            raise InvalidRequestError("stop_token_ids", f"must be integers, got {self.stop_token_ids!r}")
+        # Ids no token has simply never match, but they must fit the engine's int32 (the proto's type).
+        if not all(isinstance(t, int) and not isinstance(t, bool) and -INT32_MAX - 1 <= t <= INT32_MAX
+                   for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"must be integers in [-2**31, 2**31), got "
+                                      f"{self.stop_token_ids!r}")
         _integer("max_tokens", self.max_tokens, 1)
         if not 0.0 <= self.temperature <= FLOAT32_MAX:  # the device's float32; NaN fails too
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < _float32(self.top_p) <= 1.0:  # a top_p of 0 in float32 would keep no token at all
+            raise InvalidRequestError("top_p", f"must be in (0, 1] (and above 0 as a float32), got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 0 <= self.top_k <= INT32_MAX:
+            raise InvalidRequestError("top_k", f"must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed!r}")
         _integer("n", self.n, 1, MAX_N)
@@ -75,8 +80,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {value!r}")
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got "
+        if not 0.0 < _float32(self.repetition_penalty) <= FLOAT32_MAX:  # the device divides by it
+            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0 (as a float32), got "
                                       f"{self.repetition_penalty!r}")
 
     def _check_outputs(self) -> None:
@@ -110,7 +115,16 @@ class SamplingParams:
         return replace(self, n=1, seed=seed)
 
 
-def _integer(name: str, value: object, low: int, high: float = math.inf) -> None:
+def _integer(name: str, value: object, low: int, high: int = INT32_MAX) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        bound = f"in [{low}, {high}]" if high != math.inf else f">= {low}"
+        bound = f"in [{low}, {high}]" if high != INT32_MAX else f"in [{low}, 2**31)"
         raise InvalidRequestError(name, f"must be an integer {bound}, got {value!r}")
+
+
+def _float32(value: float) -> float:
+    """`value` as the device holds it: a positive number below float32's range becomes 0 there.
+    Not a number (a string, None) passes through, for the range check to refuse."""
+    try:
+        return float(np.float32(value)) if abs(value) <= FLOAT32_MAX else value
+    except TypeError:
+        return value

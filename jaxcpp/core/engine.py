@@ -39,7 +39,7 @@ from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
 from jaxcpp.core.sequence import Sequence
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.stats_logger import StatsLogger
-from jaxcpp.core.step_input import build_step_input
+from jaxcpp.core.step_input import StepInput, build_step_input, failing_chunks
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.models.spec import ModelSpec, resolve_model_spec
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
@@ -146,11 +146,13 @@ class LLMEngine:
                                       "prompt's whole pages before its last token")
 
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids)."""
+        """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids):
+        only ids of the vocabulary, since no other can be sampled (and the device indexes by them)."""
         if params.min_tokens == 0:
             return ()
         eos = () if params.ignore_eos else self.sizing.eos_token_ids
-        banned = tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+        vocab = self.sizing.spec.config.vocab_size
+        banned = tuple(dict.fromkeys(t for t in (*eos, *params.stop_token_ids) if 0 <= t < vocab))
         if len(banned) > MAX_BANNED_IDS:
             raise InvalidRequestError("stop_token_ids", f"with min_tokens, at most {MAX_BANNED_IDS} stop ids "
                                       f"(EOS included) can be held back; got {len(banned)}")
@@ -241,7 +243,9 @@ class LLMEngine:
         if sched.is_empty:
             return False
         with phase("build"):
-            step = build_step_input(sched, self.sizing.shape)
+            step = self._build(sched)
+        if step is None:
+            return True  # every request of the step failed (their outputs go out with the next step's)
         try:
             with phase("dispatch"):
                 self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
@@ -256,6 +260,28 @@ class LLMEngine:
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
+
+    def _build(self, sched: SchedulerOutput) -> StepInput | None:
+        """The step's input. The rule for an exception while building it: a request's chunk that
+        fails when built alone is that request's error (a value validation let through): the request
+        ends with reason "error" (pages freed, its client told) and the step goes on without it. If
+        no chunk fails alone, or the rest still fails, the error is the engine's and propagates.
+        None: no request of the step was left."""
+        try:
+            return build_step_input(sched, self.sizing.shape)
+        except Exception:
+            failed = failing_chunks(sched, self.sizing.shape)
+            if not failed:
+                raise
+        now, bad = time.monotonic(), {i for i, _ in failed}
+        for i, error in failed:
+            seq = sched.chunks[i].seq
+            log.error("request %r failed building its step input: %r", seq.request_id, error)
+            self.scheduler.finish(seq, "error", now)
+            self._aborted.append(dataclasses.replace(self._output(seq, []), error=f"its step input could not be "
+                                                     f"built: {type(error).__name__}: {error}"))
+        self.scheduler.drop_chunks(sched, bad)
+        return build_step_input(sched, self.sizing.shape) if sched.chunks else None
 
     def _collect_oldest(self) -> list[RequestOutput]:
         sched = self._in_flight.oldest  # taken off only once collected: a failure keeps it

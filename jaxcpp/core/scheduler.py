@@ -431,6 +431,15 @@ class Scheduler:
             self.finish(seq, reason, now)
 
     # ---- the prefix cache ----------------------------------------------------------------------
+    def drop_chunks(self, sched: SchedulerOutput, indices: set[int]) -> None:
+        """Take chunks out of a step not yet submitted (their requests failed and are finished): the rest
+        move up, and a sampling chunk's sequence learns its new row (what a later step feeds back from)."""
+        sched.num_decodes -= sum(i < sched.num_decodes for i in indices)
+        sched.chunks = [c for i, c in enumerate(sched.chunks) if i not in indices]
+        for row, chunk in enumerate(sched.chunks):
+            if chunk.samples and chunk.seq.pending_step == sched.step_id:
+                chunk.seq.feedback_row = row
+
     def publish_written_pages(self, sched: SchedulerOutput) -> None:
         """Register the full pages a step fills, once it is submitted (see the module docstring)."""
         for chunk in sched.chunks:

@@ -138,6 +138,20 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
     return step
 
 
+def failing_chunks(sched: SchedulerOutput, shape: StepShape) -> list[tuple[int, Exception]]:
+    """The chunks (by index) whose own values cannot be laid out: each built alone, as a step of one.
+    `build_step_input` raised for the whole step; a chunk that fails alone is its request's error
+    (a value validation let through), and if none does, the error is the engine's."""
+    failed = []
+    for i, chunk in enumerate(sched.chunks):
+        alone = dataclasses.replace(sched, chunks=[chunk], num_decodes=int(i < sched.num_decodes))
+        try:
+            build_step_input(alone, shape)
+        except Exception as error:  # noqa: BLE001 - whatever it is, it is this request's
+            failed.append((i, error))
+    return failed
+
+
 def _write_extras(step: StepInput, sched: SchedulerOutput, offsets: np.ndarray) -> None:
     """Penalties, min_p, min_tokens' bans, history slots, logprobs and prompt-logprob targets: only
     steps that carry a request asking for one of them pay for writing them."""
