@@ -399,6 +399,10 @@ class ServerConfig:
                                 "tokenizing (INVALID_ARGUMENT, or HTTP 413, beyond)")
     max_stream_buffer: int = opt(256, "responses a stream may hold for a client that is not reading; "
                                  "past it the request is aborted with RESOURCE_EXHAUSTED")
+    max_header_bytes: int = opt(64 * 1024, "largest HTTP request head (request line and headers), counted as "
+                                "it arrives: 431 and the connection closed beyond")
+    http_read_timeout_s: float = opt(30.0, "seconds an HTTP client may take to send a request's headers "
+                                     "(connection closed past it), and then its body (408)")
     tls_cert: str | None = opt(None, "PEM certificate chain for TLS")
     tls_key: str | None = opt(None, "PEM private key for TLS")
     tls_client_ca: str | None = opt(None, "PEM CA certificate(s): require a client certificate signed "
@@ -418,6 +422,8 @@ class ServerConfig:
         _require(self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024")
         _require(self.max_prompt_bytes >= 1, "max_prompt_bytes", "must be >= 1")
         _require(self.max_stream_buffer >= 1, "max_stream_buffer", "must be >= 1")
+        _require(self.max_header_bytes >= 1024, "max_header_bytes", "must be >= 1024")
+        _require(self.http_read_timeout_s > 0, "http_read_timeout_s", "must be > 0")
         _require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
         _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert",
                  "--tls-cert and --tls-key must be given together")

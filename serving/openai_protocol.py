@@ -21,8 +21,8 @@ class OpenAIError(Exception):
     """An error the API answers with an OpenAI error object: {"error": {message, type, param, code}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "request_too_large", 429: "rate_limit_exceeded", 500: "internal_server_error",
-             503: "service_unavailable"}
+             405: "invalid_request_error", 408: "timeout", 413: "request_too_large", 429: "rate_limit_exceeded",
+             431: "request_too_large", 500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import functools
 import json
 import logging
 import socket
@@ -46,6 +46,7 @@ from jaxcpp.errors import InvalidRequestError
 from jaxcpp.output_processor import RequestState, SampleDelta, SampleStream, needs_abort
 from jaxcpp.serving.chat_template import ChatTemplate, NoChatTemplateError
 from jaxcpp.serving.engine_loop import EngineFailedError, EngineLoop, OutputStream
+from jaxcpp.serving.http_edge import EdgeLimits, EdgeMiddleware, EdgeProtocol
 from jaxcpp.serving.metrics import ServingMetrics
 from jaxcpp.serving.openai_protocol import (
     CHAT_FIELDS,
@@ -110,8 +111,10 @@ class OpenAIServer:
             tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
             if cfg.tls_client_ca:
                 tls |= {"ssl_ca_certs": cfg.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        server_config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                       timeout_graceful_shutdown=1, **tls)
+        limits = EdgeLimits(cfg.max_message_bytes, cfg.max_header_bytes, cfg.http_read_timeout_s, self._api_key)
+        server_config = uvicorn.Config(EdgeMiddleware(self.app, limits), log_level="warning", lifespan="off",
+                                       access_log=False, timeout_graceful_shutdown=1,
+                                       http=functools.partial(EdgeProtocol, limits=limits), **tls)
         self._server = _Uvicorn(server_config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started and not self._task.done():
@@ -152,12 +155,8 @@ class OpenAIServer:
         return app
 
     async def _authorize(self, request: Request) -> None:
-        """401 without the API key; 503 while warming up or draining; 413 for a body over the size cap."""
-        if self._api_key is not None:
-            sent = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(sent, f"Bearer {self._api_key}".encode()):
-                raise OpenAIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
+        """503 while warming up or draining. (The key, 401, and the body's size, 413, were checked before
+        the body was read: `jaxcpp.serving.http_edge`.)"""
         if self._closing:
             raise OpenAIError(503, "the server is shutting down")
         if self._engine is None:
@@ -165,10 +164,6 @@ class OpenAIServer:
                                    "/health answers 200")
         if self._engine.failure is not None:
             raise OpenAIError(503, f"engine failed: {self._engine.failure!r}")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > self.config.max_message_bytes:
-            raise OpenAIError(413, f"request body of {size} bytes is over --max-message-bytes "
-                                   f"{self.config.max_message_bytes}")
 
     async def _health(self) -> Response:
         ready = self._engine is not None and not self._closing and self._engine.failure is None
