@@ -39,13 +39,22 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source = source
         self._special_tokens = special_tokens
+        self._globals = frozenset(env.globals)  # range, dict, namespace, raise_exception, ...: not to be shadowed
         try:
             self._template = env.from_string(source)
         except TemplateError as e:
             raise ModelLoadError(f"chat template does not parse: {e}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Raises InvalidRequestError("messages", ...) when the template refuses the conversation."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               kwargs: dict[str, Any] | None = None) -> str:
+        """Raises InvalidRequestError("messages", ...) when the template refuses the conversation, and
+        ("chat_template_kwargs.<key>", ...) for a keyword the renderer sets itself."""
+        taken = {"messages", "add_generation_prompt", *self._special_tokens, *self._globals}
+        kwargs = kwargs or {}
+        for key in kwargs:
+            if key in taken:
+                raise InvalidRequestError(f"chat_template_kwargs.{key}", f"is set by the server; it cannot be "
+                                          f"given (the server sets {', '.join(sorted(taken))})")
         try:
             return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               **self._special_tokens, **kwargs))

@@ -41,6 +41,34 @@ class OpenAIError(Exception):
         return OpenAIError(400, message, param)
 
 
+def check_text(body: BaseModel) -> None:
+    """Every string of the request must be text UTF-8 can carry: JSON's "\\ud800" (and raw bytes ED A0 80,
+    which Python's json reads the same way) is a lone surrogate, which no tokenizer or template can
+    take. InvalidRequestError naming where it is ("messages.0.content")."""
+    path = _lone_surrogate(body.model_dump(exclude_none=True), "")
+    if path is not None:
+        raise InvalidRequestError(path or "body", "contains a lone UTF-16 surrogate (such as \\ud800), which is "
+                                  "not text: send valid Unicode")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for key, item in items:
+        name = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key, name) is not None:
+            return name
+        found = _lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -57,6 +57,7 @@ from jaxcpp.serving.openai_protocol import (
     OpenAIError,
     Prompt,
     TokenizeRequest,
+    check_text,
 )
 from jaxcpp.tokenizer import ByteTokenizer, Tokenizer
 
@@ -142,6 +143,7 @@ class OpenAIServer:
         app = FastAPI(title="jaxcpp", version=jaxcpp.__version__, docs_url="/docs", redoc_url=None)
         app.add_exception_handler(OpenAIError, _error_response)
         app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+        app.add_exception_handler(InvalidRequestError, _invalid_request)  # type: ignore[arg-type]
         guarded = [Depends(self._authorize)]
         app.get("/health")(self._health)
         app.get("/version")(lambda: {"version": jaxcpp.__version__})
@@ -186,6 +188,7 @@ class OpenAIServer:
                 "chat_template": self._chat_template.source if self._chat_template else None}
 
     async def _tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        check_text(body)
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", "prompt")
@@ -200,6 +203,7 @@ class OpenAIServer:
         return {"prompt": self._require_tokenizer("tokens").decode(body.tokens)}
 
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
+        check_text(body)
         self._check_model(body.model)
         call_id = f"cmpl-{uuid.uuid4().hex}"
         try:
@@ -216,6 +220,7 @@ class OpenAIServer:
         return await self._respond(call, request, body.stream, body.include_usage, COMPLETION_FIELDS)
 
     async def _chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        check_text(body)
         self._check_model(body.model)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
@@ -337,7 +342,7 @@ class OpenAIServer:
                 kwargs: dict[str, Any] | None) -> str:
         if self._chat_template is None:
             raise NoChatTemplateError(self._names[0])
-        return self._chat_template.render(messages, add_generation_prompt, **(kwargs or {}))
+        return self._chat_template.render(messages, add_generation_prompt, kwargs)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -503,3 +508,8 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg", "invalid JSON"))
     return await _error_response(request, OpenAIError(400, message, param))
+
+
+async def _invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
+    """What a route did not turn into an OpenAIError itself (/tokenize's checks): 400 naming the field."""
+    return await _error_response(request, OpenAIError.invalid(error))
