@@ -397,8 +397,9 @@ class ServerConfig:
                                  "request body (413 beyond)")
     max_prompt_bytes: int = opt(1024 * 1024, "largest text prompt, in UTF-8 bytes, checked before "
                                 "tokenizing (INVALID_ARGUMENT, or HTTP 413, beyond)")
-    max_stream_buffer: int = opt(256, "responses a stream may hold for a client that is not reading; "
-                                 "past it the request is aborted with RESOURCE_EXHAUSTED")
+    max_stream_buffer: int = opt(256, "responses a call may hold for a client that is not reading, per sample "
+                                 "of each prompt (n x prompts); past it the call is aborted with "
+                                 "RESOURCE_EXHAUSTED (HTTP: an error event)")
     max_header_bytes: int = opt(64 * 1024, "largest HTTP request head (request line and headers), counted as "
                                 "it arrives: 431 and the connection closed beyond")
     http_read_timeout_s: float = opt(30.0, "seconds an HTTP client may take to send a request's headers "

@@ -66,8 +66,11 @@ class _Command:
 class OutputStream:
     """One client call's engine outputs, queued on its asyncio loop until the handler sends them.
 
-    `sink()` is what the engine thread calls (it posts to the loop). Past `limit` queued outputs the
-    client is not reading: the stream stalls and `on_stalled` aborts its requests."""
+    `sink()` is what the engine thread calls (it posts to the loop). Past `limit` queued outputs per
+    engine request (each sample of each prompt: a call of 1,000 prompts or n = 64 gets 1,000 or 64
+    times the room, as its outputs come that many at a time) the client is not reading: the stream
+    stalls and `on_stalled` aborts its requests. What a stalled reader holds is so bounded by the
+    work its call asked for, which the engine holds anyway (each request's tokens)."""
 
     def __init__(self, request_id: str, limit: int, on_stalled: Callable[[OutputStream], None],
                  context: Any = None) -> None:
@@ -94,9 +97,14 @@ class OutputStream:
             return
         self.outputs.put_nowait(out)
         self.max_backlog = max(self.max_backlog, self.outputs.qsize())
-        if self.outputs.qsize() > self._limit:
+        if self.outputs.qsize() > self.limit:
             self.stalled = True
             self._on_stalled(self)
+
+    @property
+    def limit(self) -> int:
+        """Outputs this call may have queued: `--max-stream-buffer` per engine request."""
+        return self._limit * max(1, len(self.engine_request_ids))
 
     def abort(self, engine: EngineLoop) -> None:
         """Abort every sample's engine request (finished ones: no-op): the pages are freed before the next step."""

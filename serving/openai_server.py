@@ -253,9 +253,13 @@ class OpenAIServer:
         output.engine_request_ids = [rid for state in call.states for rid, _ in state.engine_requests]
         self._in_flight[call.id] = output
         self.metrics.set_in_flight(len(self._in_flight) + self._in_flight_elsewhere())
-        try:
-            for state, ids in zip(call.states, call.prompts, strict=True):
-                await asyncio.wrap_future(engine.add_samples(state, ids, output.sink()))
+        try:  # every prompt's requests queued at once: they join the engine before its next step, together
+            added = await asyncio.gather(*(asyncio.wrap_future(engine.add_samples(state, ids, output.sink()))
+                                           for state, ids in zip(call.states, call.prompts, strict=True)),
+                                         return_exceptions=True)
+            refused = next((e for e in added if isinstance(e, BaseException)), None)
+            if refused is not None:
+                raise refused
         except InvalidRequestError as e:
             self._leave(output, engine)
             raise OpenAIError.invalid(e, fields) from None
@@ -301,7 +305,9 @@ class OpenAIServer:
                     output.outputs.qsize())
         if self._engine is not None:
             self._leave(output, self._engine)
-        output.outputs.put_nowait(OpenAIError(500, "client is not reading; request aborted"))  # ends its stream
+        output.outputs.put_nowait(OpenAIError(500, f"client is not reading: {output.outputs.qsize()} outputs queued "
+                                                   f"(--max-stream-buffer {self.config.max_stream_buffer} per "
+                                                   "sample of each prompt); request aborted"))  # ends its stream
 
     def _leave(self, output: OutputStream, engine: EngineLoop) -> None:
         output.abort(engine)  # finished ones: no-op
