@@ -197,26 +197,38 @@ def _client(args: argparse.Namespace) -> int:
     with Client(args.target, api_key=api_key, tls=args.tls, root_certificates=args.tls_ca,
                 server_name=args.server_name, timeout=args.timeout) as client:
         try:
-            return _client_call(client, args, prompt)
+            try:
+                return _client_call(client, args, prompt)
+            except ClientError as err:
+                if err.status.name != "UNAVAILABLE":
+                    raise
+                _wait_for_connection(client, args.timeout, err)
+                return _client_call(client, args, prompt)  # the server came up within --timeout: once more
         except ClientError as err:
-            print(f"jaxcpp client: {_explain(client, err)}", file=sys.stderr)
+            print(f"jaxcpp client: {_explain(err)}", file=sys.stderr)
             return 1
 
 
-def _explain(client: Any, err: Any) -> str:
-    """The failure in words that say what to do: a refused key names where the key comes from; a
-    target that cannot be reached gets `wait_connected`'s sentence first, gRPC's transport text (the
-    cause: refused, DNS, a TLS handshake) after it."""
+CONNECT_WAIT_S = 1.0  # how long a client without --timeout waits for a server it cannot reach
+
+
+def _wait_for_connection(client: Any, timeout: float | None, err: Any) -> None:
+    """Wait for the connection as long as --timeout says (CONNECT_WAIT_S without it); if it never comes,
+    ClientError with `wait_connected`'s sentence first, the call's transport text (the cause: refused,
+    DNS, a TLS handshake) after it."""
     from jaxcpp.serving.client import ClientError
 
+    try:
+        client.wait_connected(timeout=timeout or CONNECT_WAIT_S)
+    except ClientError as unreachable:
+        raise ClientError(unreachable.status, f"{unreachable.message} ({err.message})") from None
+
+
+def _explain(err: Any) -> str:
+    """The failure in words that say what to do: a refused key names where the key comes from."""
     if err.status.name == "UNAUTHENTICATED":
         return (f"{err.status.name}: {err.message}; give the server's key with --api-key-file PATH or the "
                 f"{API_KEY_ENV} environment variable")
-    if err.status.name == "UNAVAILABLE":
-        try:
-            client.wait_connected(timeout=1.0)
-        except ClientError as unreachable:
-            return f"{unreachable.status.name}: {unreachable.message} ({err.message})"
     return f"{err.status.name}: {err.message}"
 
 
@@ -323,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PEM root certificate(s) to trust (implies --tls; default: none)")
     client.add_argument("--server-name", default=None,
                         help="TLS name to verify instead of the target's host (default: none)")
-    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    client.add_argument("--timeout", type=float, default=None, help="deadline in seconds, and how long to wait "
+                        "for a server that cannot be reached yet (default: no deadline, a 1 s wait)")
     what = client.add_mutually_exclusive_group()
     what.add_argument("--health", action="store_true", help="print the health status")
     what.add_argument("--model-info", action="store_true", help="print the model info")

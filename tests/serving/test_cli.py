@@ -226,3 +226,32 @@ def test_client_on_a_dead_address_says_nothing_listens_there(capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"jaxcpp client: UNAVAILABLE: no jaxcpp server reachable at {target} within 1s ("), err
     assert "Connection refused" in err  # gRPC's cause follows the sentence
+
+
+def test_client_timeout_is_also_how_long_it_waits_to_connect(capsys) -> None:
+    import threading
+    import time
+
+    from jaxcpp.config import ServerConfig
+    from jaxcpp.serving.server import ServerThread
+    from tests.serving.test_client_errors import dead_target
+
+    target = dead_target()
+    start = time.monotonic()
+    assert main(["client", "hi", "--target", target, "--timeout", "3"]) == 1
+    waited = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert f"no jaxcpp server reachable at {target} within 3s (" in err and waited >= 2.9, (waited, err)  # was: 1s
+    # a server that comes up within --timeout is waited for, and answers
+    servers: list[ServerThread] = []
+    port = int(target.rsplit(":", 1)[1])
+    later = threading.Timer(1.0, lambda: servers.append(
+        ServerThread(fake_engine(), ServerConfig(port=port, http_port=0)).start()))
+    later.start()
+    try:
+        assert main(["client", "hi", "--target", target, "--timeout", "20", "--max-tokens", "2"]) == 0, \
+            capsys.readouterr().err
+    finally:
+        later.join()
+        for server in servers:
+            server.stop(grace=0)
