@@ -103,3 +103,14 @@ def test_deploy_status_names_only_flags_serve_has_and_calls_none_missing() -> No
     named = set(re.findall(r"`(--[a-z-]+)`", status))
     assert named and named <= serve_flags, named - serve_flags
     assert not re.search(r"not have|do(es)? not exist|expected failure", status), status
+
+
+def test_readme_flag_table_names_each_flag_once_and_make_test_says_what_it_costs() -> None:
+    """A flag listed twice had two meanings (issue 34: `--host`, `--port`); `make test` takes minutes
+    to an hour, which the two commands' block says, pointing at the quicker `make test-fast`."""
+    text = (REPO / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `--")]
+    flags = [f for row in rows for f in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])]
+    assert rows and len(flags) == len(set(flags)), sorted({f for f in flags if flags.count(f) > 1})
+    two_commands = text.split("## Two commands", 1)[1].split("```", 2)[1]
+    assert "make test-fast" in two_commands and re.search(r"\d+-\d+ minutes", two_commands), two_commands
