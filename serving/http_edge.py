@@ -49,12 +49,19 @@ class EdgeLimits:
     api_key: str | None
 
 
+def edge_protocol(limits: EdgeLimits) -> type[EdgeProtocol]:
+    """The protocol class uvicorn builds per connection (`uvicorn.Config(http=...)` takes a class)."""
+    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
+
+
 class EdgeProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, with a cap on a request head's bytes and lines and a deadline for it."""
 
-    def __init__(self, *args: Any, limits: EdgeLimits, **kwargs: Any) -> None:
+    limits: EdgeLimits  # set by `edge_protocol`
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._limits = limits
+        self._limits = self.limits
         self._head_bytes = 0    # bytes of a head not yet ended (all reads so far)
         self._parsed_bytes = 0  # its request line and headers as parsed
         self._in_head = True  # waiting for (the rest of) a request's head

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import socket
@@ -47,7 +46,7 @@ from jaxcpp.errors import InvalidRequestError
 from jaxcpp.output_processor import RequestState, SampleDelta, SampleStream, needs_abort
 from jaxcpp.serving.chat_template import ChatTemplate, NoChatTemplateError
 from jaxcpp.serving.engine_loop import EngineFailedError, EngineLoop, OutputStream
-from jaxcpp.serving.http_edge import EdgeLimits, EdgeMiddleware, EdgeProtocol
+from jaxcpp.serving.http_edge import EdgeLimits, EdgeMiddleware, edge_protocol
 from jaxcpp.serving.metrics import ServingMetrics
 from jaxcpp.serving.openai_protocol import (
     CHAT_FIELDS,
@@ -116,7 +115,7 @@ class OpenAIServer:
         limits = EdgeLimits(cfg.max_message_bytes, cfg.max_header_bytes, cfg.http_read_timeout_s, self._api_key)
         server_config = uvicorn.Config(EdgeMiddleware(self.app, limits), log_level="warning", lifespan="off",
                                        access_log=False, timeout_graceful_shutdown=1,
-                                       http=functools.partial(EdgeProtocol, limits=limits), **tls)
+                                       http=edge_protocol(limits), **tls)
         self._server = _Uvicorn(server_config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started and not self._task.done():
