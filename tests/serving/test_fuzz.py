@@ -80,7 +80,7 @@ def invalid_fields(req: pb.GenerateRequest, vocab: int) -> set[str]:
         bad.add("max_tokens")
     if s.HasField("temperature") and not 0 <= s.temperature <= FLOAT32_MAX:
         bad.add("temperature")
-    if s.HasField("top_p") and not 0 < s.top_p <= 1:
+    if s.HasField("top_p") and not 2**-150 < s.top_p <= 1:  # at or below 2**-150 it is 0 as a float32
         bad.add("top_p")
     if s.HasField("top_k") and s.top_k < 0:
         bad.add("top_k")
