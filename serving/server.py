@@ -197,7 +197,7 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
         self._leave(stream)
         self._metrics.rejected.labels(grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
         message = (f"client is not reading: {stream.outputs.qsize()} responses queued "
-                   f"(--max-stream-buffer {self._config.max_stream_buffer}); request aborted")
+                   f"(--max-stream-buffer {self._config.max_stream_buffer} per sample); request aborted")
         stream.end_task = asyncio.ensure_future(_abort_call(stream, message))
 
     def close(self) -> None:
