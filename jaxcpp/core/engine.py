@@ -32,7 +32,7 @@ from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
 from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
-from jaxcpp.core.kv_transfer import KVLayout, KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
+from jaxcpp.core.kv_transfer import KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
@@ -84,7 +84,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
         self.kv = config.kv_transfer.settings()   # None: not disaggregated
-        self.kv_layout = KVLayout.of(self.sizing)
+        self.kv_layout = self.sizing.kv_layout()
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
         self._transfers = TransferCounts()
