@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
-from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
+from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepRequest, StepResult
 from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
 from jaxcpp.core.kv_transfer import KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
@@ -244,10 +244,10 @@ class LLMEngine:
             step = build_step_input(sched, self.sizing.shape)
         try:
             with phase("dispatch"):
-                self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
-                                     ack=sched.ack, feedback_from=sched.feedback_from if sched.feeds_back else None,
-                                     want_logprobs=sched.wants_logprobs,
-                                     want_prompt_logprobs=sched.wants_prompt_logprobs)
+                self.executor.submit(StepRequest(
+                    sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits, ack=sched.ack,
+                    feedback_from=sched.feedback_from if sched.feeds_back else None,
+                    want_logprobs=sched.wants_logprobs, want_prompt_logprobs=sched.wants_prompt_logprobs))
         except ExecutorError:
             self._in_flight.append(sched, sched.num_decodes > 0)  # never submitted: it fails with those in flight
             self._released.add(sched.step_id)

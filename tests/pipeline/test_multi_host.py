@@ -6,7 +6,8 @@ LeaderWorkerSet manifests give, tests/deploy); the single-device tokens over gRP
 concurrent requests, async scheduling); SIGTERM on the head drains and both hosts exit 0; a SIGKILLed
 remote stage ends the streams UNAVAILABLE naming it and `serve` exits non-zero promptly (the control
 connection, not a heartbeat); the head's death ends the remote stage; a host that advertises loopback
-is refused in one line naming the stage, host and addresses. Skipped, with the reason, where namespaces cannot be made (not root).
+is refused in one line naming the stage, host and addresses. Skipped, with the reason, where namespaces
+cannot be made (not root).
 """
 
 from __future__ import annotations
