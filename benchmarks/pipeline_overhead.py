@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxcpp.config import EngineConfig  # noqa: E402
+from jaxcpp.core.executor import StepRequest  # noqa: E402
 from jaxcpp.core.sizing import EngineSizing  # noqa: E402
 from jaxcpp.core.step_input import padding_step  # noqa: E402
 from jaxcpp.models.checkpoint import save_hf  # noqa: E402
@@ -66,7 +67,7 @@ def steady_loop(executor, step, steps: int) -> float:
         if len(in_flight) == executor.max_in_flight:
             _ = executor.collect(in_flight.pop(0)).tokens
         step_id = next(STEP_IDS)
-        executor.submit(step_id, step)
+        executor.submit(StepRequest(step_id, step))
         in_flight.append(step_id)
         if i >= WARM:
             laps.append(time.perf_counter() - t0)
@@ -82,7 +83,7 @@ def idle_submits(executor, step, steps: int) -> tuple[list[float], list[float]]:
         time.sleep(0.003)  # the previous batch's watchers have gone back to sleep
         t0 = time.perf_counter()
         step_id = next(STEP_IDS)
-        executor.submit(step_id, step, want_tokens=False)  # as a middle prefill chunk: collect never waits
+        executor.submit(StepRequest(step_id, step, want_tokens=False))  # a middle prefill chunk: collect never waits
         t1 = time.perf_counter()
         executor.collect(step_id)
         t2 = time.perf_counter()

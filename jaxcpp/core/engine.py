@@ -29,10 +29,10 @@ from contextlib import AbstractContextManager, contextmanager
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
-from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepResult
+from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepRequest, StepResult
 from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
-from jaxcpp.core.kv_transfer import KVLayout, KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
+from jaxcpp.core.kv_transfer import KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
@@ -84,7 +84,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model.seed)
         self._stats = StatsLogger(config.scheduler.log_stats_interval_s)
         self.kv = config.kv_transfer.settings()   # None: not disaggregated
-        self.kv_layout = KVLayout.of(self.sizing)
+        self.kv_layout = self.sizing.kv_layout()
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
         self._transfers = TransferCounts()
@@ -248,10 +248,10 @@ class LLMEngine:
             return True  # every request of the step failed (their outputs go out with the next step's)
         try:
             with phase("dispatch"):
-                self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
-                                     ack=sched.ack, feedback_from=sched.feedback_from if sched.feeds_back else None,
-                                     want_logprobs=sched.wants_logprobs,
-                                     want_prompt_logprobs=sched.wants_prompt_logprobs)
+                self.executor.submit(StepRequest(
+                    sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits, ack=sched.ack,
+                    feedback_from=sched.feedback_from if sched.feeds_back else None,
+                    want_logprobs=sched.wants_logprobs, want_prompt_logprobs=sched.wants_prompt_logprobs))
         except ExecutorError:
             self._in_flight.append(sched, sched.num_decodes > 0)  # never submitted: it fails with those in flight
             self._released.add(sched.step_id)

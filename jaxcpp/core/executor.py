@@ -1,8 +1,7 @@
 """The contract between the engine (host) and whatever runs the model. Host data both ways; no jax.
 
     seconds = executor.warmup(shape)            # compile every program the engine will use
-    executor.submit(step_id, step, want_tokens=True, want_logits=False, ack=False, feedback_from=None,
-                    want_logprobs=False, want_prompt_logprobs=False)
+    executor.submit(StepRequest(step_id, step, want_tokens=True, ...))   # one value, every executor
     result = executor.collect(step_id)          # numpy arrays only
     seconds = executor.time_attention_free_forward(num_tokens)   # the calibration sweep
     executor.num_compilations()                 # programs compiled since the executor was built
@@ -17,9 +16,10 @@ async engine submits before it collects the oldest), and that they are collected
 only steps in flight are fed back from. An executor keeps what it needs of each step by its id and
 checks none of those rules again. Its own steps (warm-up) take ids below zero. What crosses the contract:
 
-    engine -> executor   StepInput (padded numpy arrays, a few KB) + three flags, and `feedback_from`:
-                         the id of a step still in flight whose sampled tokens this step's placeholder
-                         decodes read on the device (`StepInput.feedback_rows`), never through the host
+    engine -> executor   StepRequest: the StepInput (padded numpy arrays, a few KB), what to bring back,
+                         and `feedback_from`: the id of a step still in flight whose sampled tokens this
+                         step's placeholder decodes read on the device (`StepInput.feedback_rows`), never
+                         through the host
     executor -> engine   StepResult: tokens [S] (unless want_tokens=False: a step of middle prefill
                          chunks samples nothing and is collected without waiting for the device),
                          logits [S, V] when asked at submit, and with `ack` each stage's StageTiming;
@@ -42,12 +42,39 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.core.step_result import Logprobs, StageTiming, StepResult
 
-__all__ = ["Executor", "ExecutorError", "FailureListener", "HostPhase", "Logprobs", "StageTiming", "StepResult"]
+__all__ = ["Executor", "ExecutorError", "FailureListener", "HostPhase", "Logprobs", "StageTiming", "StepRequest",
+           "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One step as the engine hands it to every executor (in process, stage processes, fake): its inputs
+    and what it wants back. The executor keeps it by `step_id` until the step is collected."""
+
+    step_id: int
+    step: StepInput
+    want_tokens: bool = True      # False: a step of middle prefill chunks samples nothing; collect never waits
+    want_logits: bool = False     # [S, V] float32 to the host (tests, exactness)
+    ack: bool = False             # collect waits for every stage's timing (dynamic chunking)
+    feedback_from: int | None = None  # a step in flight whose tokens this step's placeholders read
+    want_logprobs: bool = False   # each sampled token's logprob and the top MAX_LOGPROBS
+    want_prompt_logprobs: bool = False  # every prompt token's (`echo`)
+
+    @property
+    def wants_result(self) -> bool:
+        """Anything to bring home from the last stage (else collect waits only for the acks)."""
+        return self.want_tokens or self.want_logits or self.want_logprobs or self.want_prompt_logprobs
+
+    def flags(self) -> dict[str, Any]:
+        """What a stage process needs besides the arrays (the wire header's fields)."""
+        return {"want_tokens": self.want_tokens, "want_logits": self.want_logits,
+                "feedback_from": self.feedback_from, "want_logprobs": self.want_logprobs,
+                "want_prompt_logprobs": self.want_prompt_logprobs}
 
 
 @dataclass(frozen=True)
@@ -79,9 +106,7 @@ class Executor(Protocol):
 
     def warmup(self, shape: StepShape) -> float: ...
 
-    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None: ...
+    def submit(self, request: StepRequest) -> None: ...
 
     def collect(self, step_id: int) -> StepResult: ...
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
-from jaxcpp.core.executor import FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import FailureListener, HostPhase, Logprobs, StageTiming, StepRequest, StepResult
 from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.sampling_params import MAX_LOGPROBS
 
@@ -118,9 +118,8 @@ class FakeExecutor:
         self._warm = True
         return 0.0
 
-    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None:
+    def submit(self, request: StepRequest) -> None:
+        r, step, step_id, feedback_from = request, request.step, request.step_id, request.feedback_from
         shape = (step.num_tokens_padded, int(step.kv_lens.shape[0]))
         if shape not in self._programs:
             self._programs.add(shape)
@@ -130,12 +129,12 @@ class FakeExecutor:
         source = self._in_flight[feedback_from] if feedback_from is not None else None
         tokens = self._tokens(with_fed_back_tokens(step, source[2]) if source else step)
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
-        logits = np.eye(width, dtype=np.float32)[tokens] if want_logits else None
+        logits = np.eye(width, dtype=np.float32)[tokens] if r.want_logits else None
         timings = self._run_stages(step_id, step, source[1] if source else 0.0)
-        logprobs = self.one_hot_logprobs(tokens, tokens, width) if want_logprobs else None
+        logprobs = self.one_hot_logprobs(tokens, tokens, width) if r.want_logprobs else None
         prompt = self.one_hot_logprobs(next_tokens(step, self.next_token), step.prompt_targets, width) \
-            if want_prompt_logprobs else None
-        result = StepResult(tokens if want_tokens else None, logits, timings if ack else (), logprobs, prompt)
+            if r.want_prompt_logprobs else None
+        result = StepResult(tokens if r.want_tokens else None, logits, timings if r.ack else (), logprobs, prompt)
         self._in_flight[step_id] = (result, timings[-1].done, tokens)
 
     def collect(self, step_id: int) -> StepResult:

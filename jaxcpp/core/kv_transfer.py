@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from jaxcpp.core.outputs import TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from jaxcpp.core.sizing import EngineSizing
 
 
 @dataclass(frozen=True)
@@ -41,12 +38,6 @@ class KVLayout:
     kv_cache_dtype: str
     num_kv_heads: int
     head_dim: int
-
-    @staticmethod
-    def of(sizing: EngineSizing) -> KVLayout:
-        m = sizing.spec.config
-        return KVLayout(sizing.spec.name, m.num_hidden_layers, sizing.page_size, sizing.kv_cache_dtype,
-                        m.num_key_value_heads, m.head_dim)
 
     def mismatch(self, other: KVLayout, me: str, them: str) -> str | None:
         """None when the two agree, else a message naming every field that differs, and both sides."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxcpp.config import ConfigError, EngineConfig
 from jaxcpp.core.buckets import decode_buckets, token_buckets
+from jaxcpp.core.kv_transfer import KVLayout
 from jaxcpp.core.step_input import StepShape
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.spec import ModelSpec
@@ -75,6 +76,12 @@ class EngineSizing:
     def shape(self) -> StepShape:
         return StepShape(self.token_buckets, self.max_num_seqs, self.pages_per_seq, self.page_size,
                          self.decode_buckets)
+
+    def kv_layout(self) -> KVLayout:
+        """What each KV page holds, which a disaggregated producer and consumer must agree on."""
+        m = self.spec.config
+        return KVLayout(self.spec.name, m.num_hidden_layers, self.page_size, self.kv_cache_dtype,
+                        m.num_key_value_heads, m.head_dim)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

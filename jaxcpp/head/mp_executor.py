@@ -2,7 +2,7 @@
 
     executor = MultiProcessExecutor(config, spec)     # spawns (or waits for) P stage processes, sizes
     executor.sizing                                   # the engine on their backend, sends them that sizing
-    executor.submit(step_id, step)      # the step packed once, the same few KB sent to every stage
+    executor.submit(StepRequest(step_id, step))  # the step packed once, the same few KB to every stage
     result = executor.collect(step_id)  # tokens / logits / timings from the last stage
 
 Topology (docs/pipeline.md):
@@ -50,10 +50,18 @@ from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
-from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import (
+    ExecutorError,
+    FailureListener,
+    HostPhase,
+    Logprobs,
+    StageTiming,
+    StepRequest,
+    StepResult,
+)
 from jaxcpp.core.kv_transfer import KVOffer, KVSource
 from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
-from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
+from jaxcpp.core.step_input import StepShape, pack, padding_step
 from jaxcpp.head import wire
 from jaxcpp.head.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
 from jaxcpp.head.trace import TraceWriter
@@ -98,15 +106,6 @@ class _StageLink:
 
     def error(self, message: str) -> ExecutorError:
         return ExecutorError(message, stage=self.index, where=self.where())
-
-
-@dataclasses.dataclass
-class _Submitted:
-    want_tokens: bool
-    want_logits: bool
-    ack: bool
-    want_logprobs: bool
-    want_prompt_logprobs: bool
 
 
 # Where free_port draws from: above the well-known services' ports, below the kernel's ephemeral range.
@@ -193,7 +192,7 @@ class MultiProcessExecutor:
         self._failure: ExecutorError | None = None
         self._failure_listeners: list[FailureListener] = []
         self._closed = False
-        self._submitted: dict[int, _Submitted] = {}  # by step id, until collected
+        self._submitted: dict[int, StepRequest] = {}  # by step id, until collected
         self._results: dict[int, tuple[dict[str, Any], list[Any]]] = {}
         # Async scheduling across processes: the last stage offers each sampled step's tokens to the
         # first as soon as it has them; the first pulls the one a step feeds back from, and drains
@@ -459,31 +458,29 @@ class MultiProcessExecutor:
         self._broadcast({"op": "warmup"})
         for ln in self.links:
             self._reply(ln, "warmup")
-        self.submit(WARMUP_STEP_ID, padding_step(shape.token_buckets[0], shape), want_logits=True, ack=True)
+        self.submit(StepRequest(WARMUP_STEP_ID, padding_step(shape.token_buckets[0], shape), want_logits=True,
+                                ack=True))
         self.collect(WARMUP_STEP_ID)
         self._traced = True
         log.info("warm-up on %d stage processes: %.1fs", self.num_stages, time.perf_counter() - start)
         return time.perf_counter() - start
 
-    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None:
+    def submit(self, request: StepRequest) -> None:
         self._raise_if_failed()
+        step, step_id = request.step, request.step_id
         buf, layout = pack(step)
-        offer = self._offers_tokens and want_tokens
-        self._offered.discard(feedback_from)
+        offer = self._offers_tokens and request.want_tokens
+        self._offered.discard(request.feedback_from)
         header = {"op": "step", "id": step_id, "num_tokens": step.num_tokens_padded,
-                  "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
-                  "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
-                  "offer_tokens": offer, "drain_tokens": self._to_drain, "want_logprobs": want_logprobs,
-                  "want_prompt_logprobs": want_prompt_logprobs, "needs_full_sampler": step.needs_full_sampler}
+                  "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout], **request.flags(),
+                  "offer_tokens": offer, "drain_tokens": self._to_drain, "needs_full_sampler": step.needs_full_sampler}
         self._to_drain = []
         if offer:
             self._offered.add(step_id)
         with self._lock:
             self._submit_times[step_id] = time.perf_counter()
         self._broadcast(header, [buf])
-        self._submitted[step_id] = _Submitted(want_tokens, want_logits, ack, want_logprobs, want_prompt_logprobs)
+        self._submitted[step_id] = request
 
     def collect(self, step_id: int) -> StepResult:
         """Once every stage has timed the step (it left the pipe, holding no activation any more), with
@@ -492,9 +489,8 @@ class MultiProcessExecutor:
         if step_id in self._offered:  # no step submitted from now on can feed back from it
             self._offered.remove(step_id)
             self._to_drain.append(step_id)
-        needs_result = head.want_tokens or head.want_logits or head.want_logprobs or head.want_prompt_logprobs
         with self._lock:
-            while not ((not needs_result or step_id in self._results) and step_id in self._acked):
+            while not ((not head.wants_result or step_id in self._results) and step_id in self._acked):
                 self._raise_if_failed()
                 self._lock.wait(0.5)
             header, arrays = self._results.pop(step_id, ({}, []))

@@ -1,6 +1,6 @@
 """The in-process executor: P stages on a ("pp", "tp") mesh, P micro-batches in flight (+1 queued; P = 1 too).
 
-    executor.submit(step_id, step)      # the step packed once, put on every stage in one device_put,
+    executor.submit(StepRequest(step_id, step))  # the step packed once, put on every stage in one device_put,
                                         # then stage 0 .. P-1 dispatched in order, activations handed
                                         # on with device_put; nothing here waits for a device
     result = executor.collect(step_id)  # waits until the step has left the last stage, and for what
@@ -27,7 +27,15 @@ import jax
 import numpy as np
 
 from jaxcpp.config import KVSettings
-from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
+from jaxcpp.core.executor import (
+    ExecutorError,
+    FailureListener,
+    HostPhase,
+    Logprobs,
+    StageTiming,
+    StepRequest,
+    StepResult,
+)
 from jaxcpp.core.kv_transfer import KVOffer, KVSource
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
 from jaxcpp.head.trace import TraceWriter
@@ -42,11 +50,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Submitted:
+    request: StepRequest
     output: StepOutput          # the last stage's (device) output
-    want_tokens: bool
-    want_logits: bool
-    ack: bool
-    want_logprobs: bool = False
     prompt_logprobs: PromptLogprobs | None = None  # dispatched when the step asked for them
 
 
@@ -84,18 +89,17 @@ class PipelineExecutor:
             num_tokens, seconds), self._kv)
         for num_tokens in buckets:
             step_id = next(self._warmup_ids)
-            self.submit(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True, want_logprobs=True,
-                        want_prompt_logprobs=shape.takes_prompt_chunks(num_tokens))
+            self.submit(StepRequest(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True,
+                                    want_logprobs=True, want_prompt_logprobs=shape.takes_prompt_chunks(num_tokens)))
             self.collect(step_id)
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)
         return time.perf_counter() - start
 
-    def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
-               ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None:
+    def submit(self, request: StepRequest) -> None:
+        r, step, step_id = request, request.step, request.step_id
         records: list[DispatchedStage] = []
-        fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
+        fed_back = self._fed_back(r.feedback_from)  # tokens the first stage's placeholder decodes read
         hidden: Any = None
         for stage, batch in zip(self.stages, self._put_step(step), strict=True):
             try:
@@ -106,16 +110,16 @@ class PipelineExecutor:
                 hidden = stage.run(batch, hidden, fed_back)  # only the first stage reads fed_back
             except Exception as e:  # a dispatch error (out of memory, a lost device) fails the step
                 raise ExecutorError(f"dispatching micro-batch {step_id} failed: {e}", stage=stage.index) from e
-            records.append(DispatchedStage(step_id, stage.index, step.num_tokens_padded, ack, self._traced,
+            records.append(DispatchedStage(step_id, stage.index, step.num_tokens_padded, r.ack, self._traced,
                                            dispatched, inputs, hidden))
         out: StepOutput = hidden  # the last stage's output
-        prompt_logprobs = self.stages[-1].run_prompt_logprobs(out) if want_prompt_logprobs else None
-        wanted = [[out.tokens] if want_tokens else [], [out.logits] if want_logits else [],
-                  out.sampled[1:] if want_logprobs else (), prompt_logprobs or ()]
+        prompt_logprobs = self.stages[-1].run_prompt_logprobs(out) if r.want_prompt_logprobs else None
+        wanted = [[out.tokens] if r.want_tokens else [], [out.logits] if r.want_logits else [],
+                  out.sampled[1:] if r.want_logprobs else (), prompt_logprobs or ()]
         for array in (a for arrays in wanted for a in arrays):
             array.copy_to_host_async()  # start home as soon as they exist
         self._timing.watch(records)
-        self._submitted[step_id] = _Submitted(out, want_tokens, want_logits, ack, want_logprobs, prompt_logprobs)
+        self._submitted[step_id] = _Submitted(request, out, prompt_logprobs)
 
     def _fed_back(self, feedback_from: int | None) -> Any:
         """The tokens of a step still in flight, moved (asynchronously) to the first stage's devices."""
@@ -125,12 +129,13 @@ class PipelineExecutor:
 
     def collect(self, step_id: int) -> StepResult:
         head = self._submitted.pop(step_id)
-        timings = self._timing.wait_for_ack(step_id) if head.ack else ()
+        r = head.request
+        timings = self._timing.wait_for_ack(step_id) if r.ack else ()
         try:
             jax.block_until_ready(head.output.tokens)  # out of the pipe: it holds no activation any more
-            tokens = np.asarray(head.output.tokens) if head.want_tokens else None
-            logits = np.asarray(head.output.logits) if head.want_logits else None
-            logprobs = Logprobs(*map(np.asarray, head.output.sampled[1:])) if head.want_logprobs else None
+            tokens = np.asarray(head.output.tokens) if r.want_tokens else None
+            logits = np.asarray(head.output.logits) if r.want_logits else None
+            logprobs = Logprobs(*map(np.asarray, head.output.sampled[1:])) if r.want_logprobs else None
             prompt = Logprobs(*map(np.asarray, head.prompt_logprobs)) if head.prompt_logprobs is not None else None
         except Exception as e:
             raise ExecutorError(f"micro-batch {step_id} failed: {e}", stage=len(self.stages) - 1) from e

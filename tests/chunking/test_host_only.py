@@ -1,4 +1,5 @@
-"""jaxcpp.chunking and jaxcpp.tools are host code: no jax anywhere, matplotlib only inside the plot function."""
+"""jaxcpp.chunking and jaxcpp.tools: no jax import anywhere in their source, not even inside a function (the
+import-time walk is tests/test_architecture.py's), and matplotlib only inside the plot function."""
 
 import ast
 import pathlib

@@ -15,7 +15,7 @@ from jaxcpp.serving.disaggregation import GrpcRemotePrefill, expand_targets
 CONSUMER = '{"kv_role": "kv_consumer"}'
 
 
-def test_roles_parse_and_dynamic_chunking_is_refused_on_a_consumer(caplog):
+def test_roles_parse_and_dynamic_chunking_is_turned_off_with_a_warning_on_a_consumer(caplog):
     with caplog.at_level(logging.WARNING, logger="jaxcpp.config"):
         consumer = EngineConfig.from_kwargs(kv_transfer_config=CONSUMER, prefill_servers="10.0.0.2:50051",
                                             enable_dynamic_chunking=True)

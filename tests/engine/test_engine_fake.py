@@ -111,7 +111,7 @@ def test_a_failing_executor_fails_the_requests_in_flight_and_frees_their_pages()
 
 def test_a_fatal_executor_error_propagates_after_failing_its_requests():
     class Dead(FakeExecutor):
-        def submit(self, step_id, step, **flags) -> None:
+        def submit(self, request) -> None:
             raise ExecutorError("stage process exited with signal 9", stage=1)
 
     e = engine(Dead())

@@ -62,9 +62,23 @@ def test_a_collector_pause_is_a_gc_host_phase_of_the_step_it_stalled():
 def test_the_watch_reports_each_pass_with_its_span_and_stops_when_closed():
     seen: list[tuple[float, float]] = []
     watch = GcWatch(lambda start, end: seen.append((start, end)), min_pause_s=0.0)
-    gc.collect()
-    assert seen and seen[-1][0] <= seen[-1][1]
-    watch.close()
-    count = len(seen)
-    gc.collect()
-    assert len(seen) == count
+    gc.disable()  # only the passes made below: none started by allocations meanwhile
+    try:
+        for _ in range(3):
+            gc.collect()
+        assert len(seen) == 3 and all(start <= end for start, end in seen)  # each pass, with its span
+        watch.close()
+        gc.collect()
+        assert len(seen) == 3
+    finally:
+        gc.enable()
+
+
+def test_the_watch_leaves_out_passes_shorter_than_its_threshold():
+    seen: list[tuple[float, float]] = []
+    watch = GcWatch(lambda start, end: seen.append((start, end)), min_pause_s=60.0)
+    try:
+        gc.collect()
+        assert seen == []
+    finally:
+        watch.close()

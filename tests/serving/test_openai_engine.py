@@ -103,8 +103,6 @@ def test_chat_works_out_of_the_box_on_the_bundled_model(real_server) -> None:
 
 
 # ---- against transformers on one checkpoint ------------------------------------------------------------
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 HF_DIMS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
 IDS = [5, 17, 99, 3, 42, 42, 8, 61, 23, 77, 5, 19, 100, 64, 1, 30, 30, 9]
@@ -112,6 +110,9 @@ IDS = [5, 17, 99, 3, 42, 42, 8, 61, 23, 77, 5, 19, 100, 64, 1, 30, 30, 9]
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Skipped without torch and transformers (the parity extra); the tests above need neither."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model("llama", **HF_DIMS), attn_implementation="eager")
@@ -129,6 +130,7 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parity
 def test_echo_prompt_logprobs_equal_transformers(hf_checkpoint: Any) -> None:
     model, server = hf_checkpoint
+    import torch
     client = client_for(server)
     out = client.completions.create(model=client.models.list().data[0].id, prompt=IDS, max_tokens=1, temperature=0,
                                     echo=True, logprobs=5)
@@ -150,6 +152,7 @@ def test_echo_prompt_logprobs_equal_transformers(hf_checkpoint: Any) -> None:
 @pytest.mark.parametrize("penalty", [1.0, 1.6, 0.7])
 def test_repetition_penalty_and_min_tokens_give_transformers_greedy_tokens(hf_checkpoint: Any, penalty: float) -> None:
     model, server = hf_checkpoint
+    import torch
     client = client_for(server)
     out = client.completions.create(model=client.models.list().data[0].id, prompt=IDS, max_tokens=24, temperature=0,
                                     logprobs=0, extra_body={"repetition_penalty": penalty, "min_tokens": 24})
