@@ -31,7 +31,8 @@ How a stage process comes up and runs:
 
 Activations go stage to stage; the head only ever sees the few-KB step and the last stage's tokens.
 The process exits when the head says stop, when the control channel closes (the head died), or when
-its parent (a spawning head) is gone: no orphans.
+its parent (a spawning head) is gone: no orphans. A spawned stage ignores SIGINT (a terminal's Ctrl-C
+reaches the whole process group): the head drains and stops it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -128,6 +130,22 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxcpp-parent-watch", daemon=True).start()
 
 
+def leave_ctrl_c_to_the_head(stage: int, spawned: bool) -> None:
+    """Ctrl-C in a terminal sends SIGINT to the whole process group, the stages a head spawned included.
+    Those leave it to the head, which drains and then stops every stage in order (stage 0, the
+    coordinator's host, last); a stage started on its own host ends at once with one line. Either way no
+    KeyboardInterrupt traceback from wherever the main thread was blocked (the control channel's recv)."""
+    if spawned:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+
+    def interrupted(signum: int, frame: Any) -> None:
+        print(f"jaxcpp stage {stage}: interrupted (SIGINT); exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
 def watch_head_while_starting(conn: Any, stage: int) -> tuple[threading.Event, queue.SimpleQueue[dict[str, Any]]]:
     """Until this stage says ready the head sends nothing but its sizing (handed over through the returned
     queue) or `stop`, so anything else readable (or a closed channel) means the head gave up: exit rather
@@ -160,6 +178,7 @@ def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | N
     """Run stage `stage` until the head stops it; the exit code (0 when stopped by the head). `advertise`:
     this host's address, which the stage's transfer server binds and publishes (`cluster`)."""
     host, port = split_host_port(control)
+    leave_ctrl_c_to_the_head(stage, spawned=parent_pid is not None)
     if parent_pid is not None:
         watch_parent(parent_pid)
     conn = connect((host, port), shared_control_key(), parent_pid)
