@@ -223,6 +223,7 @@ class StageWorker:
         if setup.get("cores"):
             run_forwards_inline_on_cores(setup["cores"])
         self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
+        write_own_cache_entries()  # the backend exists (it took its node id from jax.distributed)
         self.stage, built, self._kv = _stage(index, num_stages, setup["config"], sizing.get())
         self.shape = built.shape
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
@@ -361,9 +362,9 @@ class StageWorker:
         from jaxcpp.runtime.stage_ops import compile_buckets
 
         buckets = self.shape.buckets
-        compile_buckets([self.stage], self.shape, lambda i, num_tokens, seconds: self._send(
-            {"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets), "num_tokens": num_tokens,
-             "seconds": seconds}), self._kv)
+        compile_buckets([self.stage], self.shape, lambda b: self._send(
+            {"op": "compiled", "stage": self.index, "bucket": b.index, "of": len(buckets), "num_tokens": b.num_tokens,
+             "seconds": b.seconds, "programs": b.programs, "from_cache": b.from_cache}), self._kv)
         for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
         self._send({"op": "reply", "what": "warmup"})
@@ -384,6 +385,19 @@ class StageWorker:
         self._attention_free_ready.add(num_tokens)
         seconds, _ = time_attention_free(self.stage, self._put(num_tokens), self._zeros(num_tokens), first_use)
         self._send({"op": "reply", "what": "attention_free", "seconds": seconds})
+
+
+def write_own_cache_entries() -> None:
+    """Let this stage write its programs to the persistent compilation cache. jax writes entries from
+    process 0 only (SPMD processes compile the same programs: one writer is enough), but a pipeline's
+    stages compile each their own (MPMD), so a stage > 0 found none of its programs on a warm start and
+    compiled every bucket again (PP 2: stage 0 "loaded bucket i/n from the compilation cache" in 3 s,
+    stage 1 "compiled bucket i/n" in 22 s). That check reads jax.distributed's process id when it writes;
+    the only other readers are the backend's creation (done: call this after it) and computations that
+    span processes (a stage's never do)."""
+    from jax._src import distributed
+
+    distributed.global_state.process_id = 0
 
 
 def transfer_id(step_id: int) -> int:
@@ -439,7 +453,7 @@ def _stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_mess
     sizing = EngineSizing.from_message(sizing_message, resolve_model_spec(config.model.model, config.model.dtype))
     mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
     stage = build_stage(index, num_stages, mesh, config, sizing)
-    log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
+    log.info("stage %d of %d (pid %d) loaded: layers %d-%d on %s", index, num_stages, os.getpid(),
              stage.layers[0], stage.layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing, config.kv_transfer.settings()
 
