@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
 COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
+COMPILE_NICENESS = 10  # added to a compile thread's nice value: see yield_to_other_threads
 
 
 def compilation_cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
@@ -129,6 +130,20 @@ def _count_cache_events() -> dict[str, int]:
     return _cache_counts.value
 
 
+def yield_to_other_threads() -> None:
+    """Lower the calling thread's CPU priority by COMPILE_NICENESS (Linux: a thread's nice value is its own,
+    and the threads it starts inherit it). The warm-up's compile threads fill every core for minutes; at the
+    same priority they starve the process's other threads: jax.distributed's heartbeats and, in stage 0's
+    process, the coordination service that watches them (a PP 2 server was aborted by its own failure
+    detector while compiling), the control channel's reader, gRPC's health answers. Pinned or not (a pinned
+    stage's threads share its cores), those threads now run first whenever they have work."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS))
+    except OSError:  # not Linux, or not allowed: compiles at the same priority as before
+        pass
+
+
 def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[BucketCompiled], None],
                     kv: KVSettings | None = None) -> None:
     """Every stage's program for every bucket, `COMPILE_THREADS` buckets at a time; `report(BucketCompiled)` as
@@ -144,7 +159,8 @@ def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[B
             stage.compile(shape, num_tokens)
         return num_tokens, time.perf_counter() - start, counts
 
-    with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
+    with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile",
+                            initializer=yield_to_other_threads) as pool:  # its threads end with the warm-up
         for i, (num_tokens, seconds, counts) in enumerate(pool.map(compile_bucket, buckets), 1):
             report(BucketCompiled(i, num_tokens, seconds, counts[_CACHE_LOOKUP], counts[_CACHE_HIT]))
     if kv is not None:

@@ -219,7 +219,8 @@ class StageWorker:
         self.conn = conn
         self.index = index
         num_stages = self._num_stages = setup["num_stages"]
-        _join_coordinator(setup["coordinator"], my_ip, index, num_stages)
+        _join_coordinator(setup["coordinator"], my_ip, index, num_stages,
+                          setup["config"]["parallel"]["distributed_heartbeat_timeout_s"])
         if setup.get("cores"):
             run_forwards_inline_on_cores(setup["cores"])
         self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
@@ -414,9 +415,15 @@ def _neighbours(index: int, num_stages: int) -> list[int]:
     return sorted(p for p in peers if 0 <= p < num_stages and p != index)
 
 
-def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int) -> None:
+def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int, heartbeat_timeout_s: int) -> None:
     """jax.distributed.initialize, with its failures named: stage 0's process hosts the service, a later
-    stage first checks that it can reach it (else jax waits minutes, then aborts the process)."""
+    stage first checks that it can reach it (else jax waits minutes, then aborts the process).
+
+    The service's failure detector aborts every stage when one sends no heartbeat for
+    `heartbeat_timeout_s` (--distributed-heartbeat-timeout-s). At 10 s it was the failure: a PP 2 server
+    warming up beside other CPU-heavy work was aborted ("tasks are unhealthy (stopped sending
+    heartbeats)"), both stages SIGABRT. A dead stage is noticed by its control connection instead, within
+    milliseconds; this timeout only catches a stage that hangs without dying."""
     import jax
 
     if index > 0:
@@ -425,7 +432,7 @@ def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int)
     bind = coordinator if is_loopback(split_host_port(coordinator)[0]) else None
     try:
         jax.distributed.initialize(coordinator, num_processes=num_stages, process_id=index,
-                                   heartbeat_timeout_seconds=10, coordinator_bind_address=bind)
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s, coordinator_bind_address=bind)
     except Exception as e:  # noqa: BLE001 - jax raises its runtime's errors; name the coordinator
         raise ConnectionError(f"jax.distributed.initialize (process {index} of {num_stages}) with the "
                               f"coordinator at {coordinator} failed: {e}") from e

@@ -16,13 +16,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def start(model: str, cache: str, log_path) -> subprocess.Popen:
-    """`jaxcpp serve`, PP 2 on stage processes, in its own process group (as a shell starts a job); returns
-    once it printed `serving`."""
+def start(model: str, cache: str, log_path, *flags: str) -> subprocess.Popen:
+    """`jaxcpp serve`, PP 2 on stage processes (and `flags`), in its own process group (as a shell starts a
+    job); returns once it printed `serving`, with `.target` its gRPC address."""
     cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", model, "--port", "0", "--http-port", "0",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "64",
            "--max-num-seqs", "8", "--log-stats-interval-s", "0", "--pipeline-parallel-size", "2",
-           "--distributed-executor-backend", "mp", "--shutdown-grace-s", "5", "--log-level", "info"]
+           "--distributed-executor-backend", "mp", "--shutdown-grace-s", "5", "--log-level", "info", *flags]
     env = {**os.environ, "JAXCPP_COMPILATION_CACHE_DIR": cache, "JAXCPP_STAGE_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_path.open("w"), text=True, env=env,
                             process_group=0)
