@@ -496,7 +496,8 @@ class Server:
         await self.attach_engine(await asyncio.wrap_future(built))
 
     async def attach_engine(self, engine: Engine) -> None:
-        """Start the engine thread on `engine`, open the service and turn health SERVING."""
+        """Start the engine thread on `engine`, open the service and turn health SERVING (a kv_consumer's: while
+        one of its producers answers SERVING, `GrpcRemotePrefill.watch_readiness`)."""
         remote = connect_producers(engine, self.config.resolve_api_key())  # a kv_consumer's: before requests
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
         engine.add_failure_listener(self._on_engine_failure)  # a stage that dies while the engine idles
