@@ -190,7 +190,7 @@ def _serve_stage(parallel: Any) -> int:
     from jaxcpp.runtime.stage_process import serve_stage
 
     addresses = Addresses.of(parallel)
-    print(f"jaxcpp: process {parallel.process_id}/{parallel.num_processes} runs stage {parallel.process_id} "
+    print(f"jaxcpp: process {parallel.process_id} of {parallel.num_processes} runs stage {parallel.process_id} "
           f"for the head at {addresses.control}, advertising {addresses.advertise}", file=sys.stderr, flush=True)
     return serve_stage(addresses.control, parallel.process_id, addresses.advertise)
 
