@@ -145,6 +145,11 @@ class ParallelConfig:
                                         "pipeline reach it at: its stage's transfer server binds and publishes "
                                         "it (default: the address of the interface that reaches the "
                                         "coordinator; under Kubernetes, the pod IP)")
+    distributed_heartbeat_timeout_s: int = opt(
+        100, "stage processes: seconds without a heartbeat after which jax.distributed's coordination service "
+        "declares a stage dead and aborts every stage (jax's default); a stage that dies is noticed within "
+        "milliseconds by its control connection closing, so this only has to outlast a stage starved of CPU "
+        "(a busy node compiling)")
 
     stand_in_latency: str | None = opt(
         None, "benchmarks and load tests only: the stage processes run no model; each forward is a "
@@ -159,6 +164,8 @@ class ParallelConfig:
         self._check_distributed()
         self._check_stand_in()
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(self.distributed_heartbeat_timeout_s >= 1, "distributed_heartbeat_timeout_s",
+                 f"must be >= 1, got {self.distributed_heartbeat_timeout_s}")
         if self.pp_partition is not None:
             parts = self.partition_list()
             _require(len(parts) == self.pipeline_parallel_size, "pp_partition",

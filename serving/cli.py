@@ -132,8 +132,10 @@ def _serve(args: argparse.Namespace) -> int:
         return LLMEngine(engine_config)
 
     served = False
+    started: list[Server] = []
 
     def listening(server: Server) -> None:
+        started.append(server)
         print(f"jaxcpp: listening on {_addresses(server)} (health NOT_SERVING); loading "
               f"{engine_config.model.model} and compiling every bucket ...", file=sys.stderr, flush=True)
 
@@ -146,9 +148,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"jaxcpp: serving {engine_config.model.model} on {_addresses(server)}{tls}{metrics}", flush=True)
 
     code = asyncio.run(serve(build_engine, server_config, on_ready=ready, on_listening=listening))
+    print(closing_line(started[0].metrics.finished_counts() if started else {}, code), file=sys.stderr, flush=True)
     if code != 0 or not served:  # the engine failed, or a stop during warm-up
         _exit_now(code)
     return code
+
+
+def closing_line(finished: dict[str, int], code: int) -> str:
+    """The server's last line, so that a clean exit can be told from a kill: requests by how they ended."""
+    done = sum(n for reason, n in finished.items() if reason not in ("abort", "error"))
+    return (f"jaxcpp: stopped: {done} requests finished, {finished.get('abort', 0)} aborted, "
+            f"{finished.get('error', 0)} failed, exit {code}")
 
 
 def _exit_now(code: int) -> None:
@@ -180,7 +190,7 @@ def _serve_stage(parallel: Any) -> int:
     from jaxcpp.runtime.stage_process import serve_stage
 
     addresses = Addresses.of(parallel)
-    print(f"jaxcpp: process {parallel.process_id}/{parallel.num_processes} runs stage {parallel.process_id} "
+    print(f"jaxcpp: process {parallel.process_id} of {parallel.num_processes} runs stage {parallel.process_id} "
           f"for the head at {addresses.control}, advertising {addresses.advertise}", file=sys.stderr, flush=True)
     return serve_stage(addresses.control, parallel.process_id, addresses.advertise)
 

@@ -24,11 +24,13 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxcpp.config import produces
 from jaxcpp.core.kv_transfer import KVLayout, KVOffer, KVSource, KVTransferRequest, RemoteDone, RemoteJob
@@ -41,15 +43,20 @@ log = logging.getLogger(__name__)
 PRODUCER_DOWN_S = 5.0       # a producer that failed a request is passed over this long, while others are up
 CHECK_TIMEOUT_S = 10.0      # its model info, at first contact
 RESOLVE_EVERY_S = 10.0      # --prefill-servers' names are resolved again this often (pods come and go)
+HEALTH_EVERY_S = 1.0        # each producer's gRPC health is asked this often: the consumer serves while one is
+HEALTH_TIMEOUT_S = 2.0      # SERVING (its own health follows: NOT_SERVING / 503 while none is)
 
 
-def connect_producers(engine: Any, api_key: str | None) -> None:
-    """A kv_consumer engine with --prefill-servers gets its remote prefill; any other engine is left as is."""
+def connect_producers(engine: Any, api_key: str | None) -> GrpcRemotePrefill | None:
+    """A kv_consumer engine with --prefill-servers gets its remote prefill (returned); any other engine is left
+    as is (None)."""
     kv = getattr(engine, "kv", None)
     servers = engine.config.kv_transfer.prefill_server_list() if kv is not None else []
-    if kv is not None and kv.consumes and servers:
-        engine.attach_remote_prefill(GrpcRemotePrefill(servers, engine.kv_layout, engine.executor,
-                                                       kv.transfer_timeout_s, api_key))
+    if not (kv is not None and kv.consumes and servers):
+        return None
+    remote = GrpcRemotePrefill(servers, engine.kv_layout, engine.executor, kv.transfer_timeout_s, api_key)
+    engine.attach_remote_prefill(remote)
+    return remote
 
 
 # ---- the protocol's messages -------------------------------------------------------------------
@@ -116,8 +123,11 @@ class _Producer:
     stub: pb_grpc.JaxcppServiceStub
     in_flight: int = 0
     checked: bool = False
+    health: Any = None           # its grpc.health.v1 stub
     refused: str | None = None   # its KV layout differs: never used
     down_until: float = 0.0
+    serving: bool = False        # its health answered SERVING at the last check
+    status: str = "not asked yet"  # what its health said (or why it could not be asked), for the consumer's reason
 
 
 class GrpcRemotePrefill:
@@ -138,12 +148,65 @@ class GrpcRemotePrefill:
         self._calls: dict[RemoteJob, Any] = {}   # each job's running Generate call
         self._cancelled: set[RemoteJob] = set()
         self._transfer_ids = itertools.count(secrets.randbits(62))  # unique per consumer; a restart starts afresh
+        self._readiness_listeners: list[Callable[[bool], None]] = []
+        self._closed = threading.Event()
         log.info("kv_consumer: %d producer(s): %s", len(self._producers), ", ".join(p.target for p in self._producers))
 
     @staticmethod
     def _producer(target: str) -> _Producer:
         channel = grpc.insecure_channel(target)
-        return _Producer(target, channel, pb_grpc.JaxcppServiceStub(channel))
+        return _Producer(target, channel, pb_grpc.JaxcppServiceStub(channel),
+                         health=health_pb2_grpc.HealthStub(channel))
+
+    # ---- readiness: the consumer serves while a producer can prefill -------------------------------
+    def unready_reason(self) -> str | None:
+        """None while some compatible producer answers SERVING; else why no prompt can be prefilled now."""
+        with self._lock:
+            producers = list(self._producers)
+        if any(p.serving and p.checked and p.refused is None for p in producers):
+            return None
+        states = "; ".join(f"producer {p.target}: {p.refused or p.status}" for p in producers)
+        return f"no prefill server (kv_producer) is ready: {states}; retry when health is SERVING"
+
+    def watch_readiness(self, listener: Callable[[bool], None]) -> None:
+        """Ask every producer's health now (this blocks up to HEALTH_TIMEOUT_S), call `listener(ready)`, then
+        again every HEALTH_EVERY_S in a thread, calling it whenever readiness changes."""
+        self._readiness_listeners.append(listener)
+        ready = self._check_readiness(None)
+        threading.Thread(target=self._watch_health, args=(ready,), name="jaxcpp-producer-health", daemon=True).start()
+
+    def _watch_health(self, ready: bool) -> None:
+        while not self._closed.wait(HEALTH_EVERY_S):
+            try:
+                ready = self._check_readiness(ready)
+            except Exception:  # a bug here must not freeze the consumer's health
+                log.exception("kv_consumer: checking the producers' health failed")
+
+    def _check_readiness(self, was_ready: bool | None) -> bool:
+        """Every producer's health asked once; the listeners told when readiness changed."""
+        self._resolve_again()
+        with self._lock:
+            producers = list(self._producers)
+        for p in producers:
+            self._ask_health(p)
+        ready = (reason := self.unready_reason()) is None
+        if ready != was_ready:
+            log.info("kv_consumer: %s", "a producer is ready: serving" if ready else f"not serving: {reason}")
+            for listener in list(self._readiness_listeners):
+                listener(ready)
+        return ready
+
+    def _ask_health(self, producer: _Producer) -> None:
+        try:
+            reply = producer.health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.RpcError as e:
+            producer.serving, producer.status = False, _describe(e)
+            return
+        producer.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        producer.status = "SERVING" if producer.serving else \
+            f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)} (warming up or stopping)"
+        if producer.serving and not producer.checked:
+            self._check(producer)  # its role and KV layout, once
 
     # ---- RemotePrefill -------------------------------------------------------------------------
     def start(self, job: RemoteJob) -> None:
@@ -166,6 +229,7 @@ class GrpcRemotePrefill:
             return ended
 
     def close(self) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for p in self._producers:
@@ -198,7 +262,10 @@ class GrpcRemotePrefill:
             if self._is_cancelled(job):
                 return RemoteDone(job, error="aborted")
         refused = [p.refused for p in self._producers if p.refused is not None]
-        return RemoteDone(job, error="no producer could prefill it: " + "; ".join(errors + refused))
+        reasons = errors + refused or [self.unready_reason() or "no producer"]
+        # retryable unless every producer was refused for good (a KV layout that differs)
+        return RemoteDone(job, error="no producer could prefill it: " + "; ".join(reasons),
+                          unavailable=bool(errors) or not refused)
 
     def _pick(self, tried: set[str]) -> _Producer | None:
         """The least-loaded compatible producer not tried yet, preferring those not recently failed."""

@@ -111,6 +111,11 @@ class ServingMetrics:
         if n > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
 
+    def finished_counts(self) -> dict[str, int]:
+        """Requests finished so far, by finish reason (stop, length, abort, error)."""
+        return {s.labels["finish_reason"]: int(s.value) for metric in self.finished.collect()
+                for s in metric.samples if s.name.endswith("_total")}
+
     def set_stats(self, stats: EngineStats) -> None:
         with self._lock:
             self._stats = stats

@@ -168,9 +168,12 @@ class OpenAIServer:
                                    "/health answers 200")
         if self._engine.failure is not None:
             raise OpenAIError(503, f"engine failed: {self._engine.failure!r}")
+        if (unready := self._engine.unready_reason()) is not None:  # a kv_consumer without a ready producer
+            raise OpenAIError(503, unready)
 
     async def _health(self) -> Response:
-        ready = self._engine is not None and not self._closing and self._engine.failure is None
+        ready = self._engine is not None and not self._closing and self._engine.failure is None \
+            and self._engine.unready_reason() is None
         return PlainTextResponse("" if ready else "not serving", status_code=200 if ready else 503)
 
     async def _models(self) -> dict[str, Any]:
@@ -281,8 +284,8 @@ class OpenAIServer:
                     raise out
                 if isinstance(out, BaseException):
                     raise OpenAIError(503 if isinstance(out, ExecutorError) else 500, f"engine failed: {out}")
-                if out.finish_reason == "error":
-                    raise OpenAIError(500, f"engine failed this request: {out.error}")
+                if out.finish_reason == "error":  # 503 when retrying may help (no producer could prefill it)
+                    raise OpenAIError(503 if out.unavailable else 500, f"engine failed this request: {out.error}")
                 state = states[out.request_id]
                 delta = state.process(out)
                 if needs_abort(out, delta):  # a stop string ended it

@@ -141,6 +141,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if self._closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if (unready := self._engine.unready_reason()) is not None:  # a kv_consumer without a ready producer
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, unready)
         try:
             params = sampling_params_from_proto(request.sampling)
             prompt = prompt_from_proto(request, self._config.max_prompt_bytes)
@@ -174,7 +176,8 @@ class JaxcppServicer(pb_grpc.JaxcppServiceServicer):
                                         f"engine failed: {out}" if lost else f"engine failed: {out!r}")
                     return
                 if out.finish_reason == "error":  # the engine failed this request and carries on
-                    await context.abort(grpc.StatusCode.INTERNAL, f"engine failed this request: {out.error}")
+                    code = grpc.StatusCode.UNAVAILABLE if out.unavailable else grpc.StatusCode.INTERNAL
+                    await context.abort(code, f"engine failed this request: {out.error}")
                 delta = state.process(out)
                 if needs_abort(out, delta):  # a stop string ended it
                     self._engine.abort(out.request_id, "stop")
@@ -493,8 +496,9 @@ class Server:
         await self.attach_engine(await asyncio.wrap_future(built))
 
     async def attach_engine(self, engine: Engine) -> None:
-        """Start the engine thread on `engine`, open the service and turn health SERVING."""
-        connect_producers(engine, self.config.resolve_api_key())  # a kv_consumer's: before it takes requests
+        """Start the engine thread on `engine`, open the service and turn health SERVING (a kv_consumer's: while
+        one of its producers answers SERVING, `GrpcRemotePrefill.watch_readiness`)."""
+        remote = connect_producers(engine, self.config.resolve_api_key())  # a kv_consumer's: before requests
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
         engine.add_failure_listener(self._on_engine_failure)  # a stage that dies while the engine idles
         self.engine_loop.start()
@@ -503,8 +507,16 @@ class Server:
         if self.http is not None:
             self.http.attach(self.engine_loop, model_info, engine.tokenizer, self._chat_template(engine),
                              self._served_names(model_info))
+        if remote is not None:  # a consumer serves while a producer can prefill: its health follows theirs
+            await asyncio.to_thread(remote.watch_readiness, self._on_producers_ready)
         self._gate.open()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if remote is None:
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _on_producers_ready(self, ready: bool) -> None:  # a watcher thread
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._set_health(status), self._loop)
 
     def _chat_template(self, engine: Engine) -> ChatTemplate | None:
         sizing = getattr(engine, "sizing", None)  # LLMEngine's: the model folder

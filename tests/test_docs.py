@@ -114,3 +114,69 @@ def test_readme_flag_table_names_each_flag_once_and_make_test_says_what_it_costs
     assert rows and len(flags) == len(set(flags)), sorted({f for f in flags if flags.count(f) > 1})
     two_commands = text.split("## Two commands", 1)[1].split("```", 2)[1]
     assert "make test-fast" in two_commands and re.search(r"\d+-\d+ minutes", two_commands), two_commands
+
+
+def documented_serve_commands() -> list[tuple[str, str]]:
+    """(doc name, command) for every `.venv/bin/jaxcpp serve` in a code block, continuation lines joined."""
+    found = []
+    for doc in DOCS:
+        joined = "\n".join(code_block_lines(doc.read_text())).replace("\\\n", " ")
+        for line in joined.splitlines():
+            if ".venv/bin/jaxcpp serve" in line:
+                found.append((doc.name, line.split(".venv/bin/jaxcpp serve", 1)[1]))
+    return found
+
+
+def manifest_serve_commands() -> list[tuple[str, list[str]]]:
+    """(manifest name, args) of every container in deploy/kubernetes that runs `jaxcpp serve`."""
+    import yaml
+
+    def containers(node: object) -> list[dict]:
+        if isinstance(node, dict):
+            found = [node] if node.get("command") == ["jaxcpp", "serve"] else []
+            return found + [c for v in node.values() for c in containers(v)]
+        return [c for v in node for c in containers(v)] if isinstance(node, list) else []
+
+    return [(path.name, c.get("args", [])) for path in sorted((REPO / "deploy" / "kubernetes").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc for c in containers(doc)]
+
+
+def _serve_config(words: list[str]) -> object:
+    from jaxcpp.cli_args import engine_config_from_args
+    from jaxcpp.serving.cli import build_parser
+
+    for i, word in enumerate(words):  # the command ends where the shell's next one starts
+        if word in ("&&", "||", "|", ";", "&"):
+            words = words[:i]
+            break
+    # a pod's $(VAR)s (distributed flags, addresses) are the orchestrator's to fill in
+    return engine_config_from_args(build_parser().parse_args(["serve", *(w for w in words if "$(" not in w)]))
+
+
+def test_documented_dynamic_chunking_commands_turn_it_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A documented command that asks for dynamic chunking gets it: its flags do not make the controller turn
+    itself off ("Dynamic chunking turned off: --dynamic-chunking-min-chunk-size (4096) must be below
+    --max-num-batched-tokens (512)" was what the disaggregation example's producer logged)."""
+    import shlex
+
+    from jaxcpp.chunking.controller import ChunkingState, DynamicChunkController
+    from jaxcpp.core.buckets import token_buckets
+
+    commands = [(doc, shlex.split(command, comments=True)) for doc, command in documented_serve_commands()]
+    checked, off = 0, []
+    for doc, words in commands + manifest_serve_commands():
+        if "--enable-dynamic-chunking" not in words:
+            continue
+        command = " ".join(words)
+        config = _serve_config(words)
+        if not config.dynamic_chunking:  # a kv_consumer's: off by design, and the docs say so
+            continue
+        caplog.clear()
+        buckets = token_buckets(config.scheduler.max_num_batched_tokens, config.cache.page_size)
+        controller = DynamicChunkController.from_config(config, allowed_sizes=tuple(buckets))
+        controller.startup_sweep_sizes()  # gives up when the budget leaves no start-up baseline
+        checked += 1
+        if controller.state in (ChunkingState.OFF, ChunkingState.GAVE_UP) or "Dynamic chunking" in caplog.text:
+            off.append(f"{doc}: {command.strip()}: {caplog.text.strip()}")
+    assert checked >= 11, "README, docs/disaggregation.md, docs/pipeline.md and the multi-host manifests' pods"
+    assert off == [], "documented commands whose dynamic chunking turns itself off:\n" + "\n".join(off)

@@ -75,3 +75,14 @@ def padding_share(step_tokens: list[int], buckets: list[int], *, decode_only: Se
     flags = list(decode_only) or [False] * len(step_tokens)
     padded = sum(step_bucket(n, d, buckets, decode_rungs) for n, d in zip(step_tokens, flags, strict=True))
     return (padded - sum(step_tokens)) / padded
+
+
+def bucket_progress(i: int, of: int, num_tokens: int, seconds: float, programs: int = 0, from_cache: int = 0,
+                    where: str = "") -> str:
+    """The warm-up's line for bucket `i` of `of` (`where`: e.g. " on 2 stage(s)"): "compiled", or "loaded ...
+    from the compilation cache" when the persistent cache held every program the bucket needs (`programs`
+    looked up there, `from_cache` found)."""
+    if programs and from_cache == programs:
+        return f"loaded bucket {i}/{of}{where} from the compilation cache: {num_tokens} tokens ({seconds:.1f}s)"
+    cached = f" ({from_cache} of {programs} programs from the compilation cache)" if from_cache else ""
+    return f"compiled bucket {i}/{of}{where}{cached}: {num_tokens} tokens ({seconds:.1f}s)"

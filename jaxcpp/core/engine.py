@@ -219,7 +219,7 @@ class LLMEngine:
         seq, skip, now = self.scheduler.requests[job.request_id], job.skip_pages, time.monotonic()
         if done.error is not None:
             self.scheduler.finish(seq, "error", now)
-            return [dataclasses.replace(self._output(seq, []), error=done.error)]
+            return [dataclasses.replace(self._output(seq, []), error=done.error, unavailable=done.unavailable)]
         self.executor.import_kv(done.pulled, seq.pages[skip:])  # type: ignore[attr-defined]
         self._transfers.add(done, len(seq.prompt_token_ids) - skip * self.sizing.page_size)
         if done.logprobs is not None and seq.params.logprobs is not None:

@@ -115,6 +115,7 @@ class RemoteDone:
     logprobs: TokenLogprobs | None = None
     pulled: Any = None        # the executor's pull (`pull_kv`), for `import_kv`
     error: str | None = None
+    unavailable: bool = False  # the error is no producer being able to take it now: a retry may succeed
     prefill_s: float = 0.0    # the producer's call: queue, prefill, first token
     transfer_s: float = 0.0   # from its offer to the pages' arrival
     transfer_bytes: int = 0
@@ -148,6 +149,11 @@ class RemotePrefill(Protocol):
 
     def done(self, wait_s: float) -> list[RemoteDone]:
         """Jobs ended since the last call, waiting up to `wait_s` for one when there are none."""
+        ...
+
+    def unready_reason(self) -> str | None:
+        """None while some producer can take prompts; else why none can now (the server then answers
+        NOT_SERVING and refuses requests UNAVAILABLE, a client's cue to retry)."""
         ...
 
     def close(self) -> None: ...

@@ -55,6 +55,8 @@ class RequestOutput:
     text: str = ""                        # the text (LLM.generate; the engine leaves it to the edge)
     logits: list[Any] | None = None       # [V] float32 per sampled token, when the engine records them (tests)
     error: str | None = None              # what failed, when finish_reason is "error"
+    unavailable: bool = False             # ... because a service it needs is down now (no producer could
+                                          # prefill it): the front ends answer UNAVAILABLE / 503, retryable
     num_cached_tokens: int = 0            # prompt tokens whose K/V came from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # of new_token_ids, when asked (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token but the first: on the first

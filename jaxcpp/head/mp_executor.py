@@ -50,6 +50,7 @@ from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
+from jaxcpp.core.buckets import bucket_progress
 from jaxcpp.core.executor import (
     ExecutorError,
     FailureListener,
@@ -316,7 +317,7 @@ class MultiProcessExecutor:
             ln.sized = (header["dtype"], header["num_pages"])
             if ln.sized != sized:
                 raise ln.error(f"built (dtype, KV pages) {ln.sized}, the head sized {sized}")
-            log.info("stage %d/%d ready: %s, layers %d-%d, devices %s", ln.index + 1, self.num_stages,
+            log.info("stage %d of %d ready: %s, layers %d-%d, devices %s", ln.index, self.num_stages,
                      ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
 
     def _await_all(self, op: str, deadline: float) -> list[tuple[_StageLink, dict[str, Any]]]:
@@ -395,8 +396,9 @@ class MultiProcessExecutor:
                     self._results[header["id"]] = (header, arrays)
                     self._lock.notify_all()
             elif op == "compiled":
-                log.info("stage %d compiled bucket %d/%d: %d tokens (%.1fs)", header["stage"], header["bucket"],
-                         header["of"], header["num_tokens"], header["seconds"])
+                log.info("stage %d %s", header["stage"], bucket_progress(
+                    header["bucket"], header["of"], header["num_tokens"], header["seconds"],
+                    header.get("programs", 0), header.get("from_cache", 0)))
             elif op == "error":
                 self._fail_after_dead_peers(ln.error(f"micro-batch {header['id']} failed: {header['message']}"))
             else:

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxcpp.config import KVSettings
+from jaxcpp.core.buckets import bucket_progress
 from jaxcpp.core.executor import (
     ExecutorError,
     FailureListener,
@@ -84,9 +85,9 @@ class PipelineExecutor:
         log.info("compiling %d programs on %d stage(s), one per token bucket %s, %d at a time ...",
                  len(buckets), len(self.stages), buckets, min(COMPILE_THREADS, len(buckets)))
         start = time.perf_counter()
-        compile_buckets(self.stages, shape, lambda i, num_tokens, seconds: log.info(
-            "compiled bucket %d/%d on %d stage(s): %d tokens (%.1fs)", i, len(buckets), len(self.stages),
-            num_tokens, seconds), self._kv)
+        where = f" on {len(self.stages)} stage(s)"
+        compile_buckets(self.stages, shape, lambda b: log.info("%s", bucket_progress(
+            b.index, len(buckets), b.num_tokens, b.seconds, b.programs, b.from_cache, where)), self._kv)
         for num_tokens in buckets:
             step_id = next(self._warmup_ids)
             self.submit(StepRequest(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True,

@@ -3,7 +3,8 @@ every bucket, time its attention-free forward. The in-process pipeline (`factory
 in one process) and a stage process (`stage_process`: one stage) both call these.
 
     stage = build_stage(index, num_stages, mesh, config, sizing)   # its layers only; or the stand-in
-    compile_buckets([stage, ...], shape, report)                   # COMPILE_THREADS buckets at a time
+    compile_buckets([stage, ...], shape, report)                   # COMPILE_THREADS buckets at a time;
+                                                                   # report(BucketCompiled): cache hits too
     seconds, out = time_attention_free(stage, batch, hidden, first_use)
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # Buckets compiled at once at warm-up: XLA's compile releases the GIL, so threads overlap on cores.
 COMPILE_THREADS = int(os.environ.get("JAXCPP_COMPILE_THREADS", os.cpu_count() or 1))
+COMPILE_NICENESS = 10  # added to a compile thread's nice value: see yield_to_other_threads
 
 
 def compilation_cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
@@ -90,22 +94,75 @@ def _weight_dtypes(params: Any) -> str:
     return " + ".join(sorted({np.asarray(x).dtype.name for x in jax.tree_util.tree_leaves(params)}, reverse=True))
 
 
-def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[int, int, float], None],
+@dataclass(frozen=True)
+class BucketCompiled:
+    """One bucket's programs ready on every stage: `programs` looked up in the persistent compilation cache
+    (0 without one), `from_cache` of them found there (a warm start) instead of compiled."""
+
+    index: int          # from 1
+    num_tokens: int
+    seconds: float
+    programs: int
+    from_cache: int
+
+
+_CACHE_LOOKUP = "/jax/compilation_cache/compile_requests_use_cache"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_cache_counts = threading.local()   # the compiling thread's {event: count}; jax records events on that thread
+_cache_listener = threading.Lock()
+_cache_listening = False
+
+
+def _on_cache_event(event: str, **kwargs: Any) -> None:
+    counts = getattr(_cache_counts, "value", None)
+    if counts is not None and event in counts:
+        counts[event] += 1
+
+
+def _count_cache_events() -> dict[str, int]:
+    """From now on, this thread's persistent-cache lookups and hits (reset for each bucket)."""
+    global _cache_listening
+    with _cache_listener:
+        if not _cache_listening:
+            jax.monitoring.register_event_listener(_on_cache_event)
+            _cache_listening = True
+    _cache_counts.value = {_CACHE_LOOKUP: 0, _CACHE_HIT: 0}
+    return _cache_counts.value
+
+
+def yield_to_other_threads() -> None:
+    """Lower the calling thread's CPU priority by COMPILE_NICENESS (Linux: a thread's nice value is its own,
+    and the threads it starts inherit it). The warm-up's compile threads fill every core for minutes; at the
+    same priority they starve the process's other threads: jax.distributed's heartbeats and, in stage 0's
+    process, the coordination service that watches them (a PP 2 server was aborted by its own failure
+    detector while compiling), the control channel's reader, gRPC's health answers. Pinned or not (a pinned
+    stage's threads share its cores), those threads now run first whenever they have work."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS))
+    except OSError:  # not Linux, or not allowed: compiles at the same priority as before
+        pass
+
+
+def compile_buckets(stages: Sequence[Any], shape: StepShape, report: Callable[[BucketCompiled], None],
                     kv: KVSettings | None = None) -> None:
-    """Every stage's program for every bucket, `COMPILE_THREADS` buckets at a time; `report(i, num_tokens,
-    seconds)` as the i-th bucket (from 1) is compiled on every stage. With `kv` (disaggregation), also a
-    producer's gather and a consumer's scatter program for every page bucket (`jaxcpp.core.kv_transfer`)."""
+    """Every stage's program for every bucket, `COMPILE_THREADS` buckets at a time; `report(BucketCompiled)` as
+    the i-th bucket (from 1) is ready on every stage, saying whether the persistent cache had its programs.
+    With `kv` (disaggregation), also a producer's gather and a consumer's scatter program for every page
+    bucket (`jaxcpp.core.kv_transfer`)."""
     buckets = shape.buckets
 
-    def compile_bucket(num_tokens: int) -> tuple[int, float]:
+    def compile_bucket(num_tokens: int) -> tuple[int, float, dict[str, int]]:
+        counts = _count_cache_events()
         start = time.perf_counter()
         for stage in stages:
             stage.compile(shape, num_tokens)
-        return num_tokens, time.perf_counter() - start
+        return num_tokens, time.perf_counter() - start, counts
 
-    with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile") as pool:
-        for i, (num_tokens, seconds) in enumerate(pool.map(compile_bucket, buckets), 1):
-            report(i, num_tokens, seconds)
+    with ThreadPoolExecutor(min(COMPILE_THREADS, len(buckets)), thread_name_prefix="jaxcpp-compile",
+                            initializer=yield_to_other_threads) as pool:  # its threads end with the warm-up
+        for i, (num_tokens, seconds, counts) in enumerate(pool.map(compile_bucket, buckets), 1):
+            report(BucketCompiled(i, num_tokens, seconds, counts[_CACHE_LOOKUP], counts[_CACHE_HIT]))
     if kv is not None:
         for stage in stages:
             stage.compile_page_transfers(page_buckets(shape.pages_per_seq), kv.produces, kv.consumes)

@@ -31,7 +31,8 @@ How a stage process comes up and runs:
 
 Activations go stage to stage; the head only ever sees the few-KB step and the last stage's tokens.
 The process exits when the head says stop, when the control channel closes (the head died), or when
-its parent (a spawning head) is gone: no orphans.
+its parent (a spawning head) is gone: no orphans. A spawned stage ignores SIGINT (a terminal's Ctrl-C
+reaches the whole process group): the head drains and stops it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -128,6 +130,22 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=run, name="jaxcpp-parent-watch", daemon=True).start()
 
 
+def leave_ctrl_c_to_the_head(stage: int, spawned: bool) -> None:
+    """Ctrl-C in a terminal sends SIGINT to the whole process group, the stages a head spawned included.
+    Those leave it to the head, which drains and then stops every stage in order (stage 0, the
+    coordinator's host, last); a stage started on its own host ends at once with one line. Either way no
+    KeyboardInterrupt traceback from wherever the main thread was blocked (the control channel's recv)."""
+    if spawned:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+
+    def interrupted(signum: int, frame: Any) -> None:
+        print(f"jaxcpp stage {stage}: interrupted (SIGINT); exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
 def watch_head_while_starting(conn: Any, stage: int) -> tuple[threading.Event, queue.SimpleQueue[dict[str, Any]]]:
     """Until this stage says ready the head sends nothing but its sizing (handed over through the returned
     queue) or `stop`, so anything else readable (or a closed channel) means the head gave up: exit rather
@@ -160,6 +178,7 @@ def serve_stage(control: str, stage: int, advertise: str, *, parent_pid: int | N
     """Run stage `stage` until the head stops it; the exit code (0 when stopped by the head). `advertise`:
     this host's address, which the stage's transfer server binds and publishes (`cluster`)."""
     host, port = split_host_port(control)
+    leave_ctrl_c_to_the_head(stage, spawned=parent_pid is not None)
     if parent_pid is not None:
         watch_parent(parent_pid)
     conn = connect((host, port), shared_control_key(), parent_pid)
@@ -200,10 +219,12 @@ class StageWorker:
         self.conn = conn
         self.index = index
         num_stages = self._num_stages = setup["num_stages"]
-        _join_coordinator(setup["coordinator"], my_ip, index, num_stages)
+        _join_coordinator(setup["coordinator"], my_ip, index, num_stages,
+                          setup["config"]["parallel"]["distributed_heartbeat_timeout_s"])
         if setup.get("cores"):
             run_forwards_inline_on_cores(setup["cores"])
         self._send({"op": "backend", "backend": jax.default_backend()})  # the head resolves --dtype auto on it
+        write_own_cache_entries()  # the backend exists (it took its node id from jax.distributed)
         self.stage, built, self._kv = _stage(index, num_stages, setup["config"], sizing.get())
         self.shape = built.shape
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, host_port(my_ip, 0),
@@ -342,9 +363,9 @@ class StageWorker:
         from jaxcpp.runtime.stage_ops import compile_buckets
 
         buckets = self.shape.buckets
-        compile_buckets([self.stage], self.shape, lambda i, num_tokens, seconds: self._send(
-            {"op": "compiled", "stage": self.index, "bucket": i, "of": len(buckets), "num_tokens": num_tokens,
-             "seconds": seconds}), self._kv)
+        compile_buckets([self.stage], self.shape, lambda b: self._send(
+            {"op": "compiled", "stage": self.index, "bucket": b.index, "of": len(buckets), "num_tokens": b.num_tokens,
+             "seconds": b.seconds, "programs": b.programs, "from_cache": b.from_cache}), self._kv)
         for num_tokens in buckets:
             jax.block_until_ready(self.stage.run(self._put(num_tokens), self._zeros(num_tokens)))
         self._send({"op": "reply", "what": "warmup"})
@@ -367,6 +388,19 @@ class StageWorker:
         self._send({"op": "reply", "what": "attention_free", "seconds": seconds})
 
 
+def write_own_cache_entries() -> None:
+    """Let this stage write its programs to the persistent compilation cache. jax writes entries from
+    process 0 only (SPMD processes compile the same programs: one writer is enough), but a pipeline's
+    stages compile each their own (MPMD), so a stage > 0 found none of its programs on a warm start and
+    compiled every bucket again (PP 2: stage 0 "loaded bucket i/n from the compilation cache" in 3 s,
+    stage 1 "compiled bucket i/n" in 22 s). That check reads jax.distributed's process id when it writes;
+    the only other readers are the backend's creation (done: call this after it) and computations that
+    span processes (a stage's never do)."""
+    from jax._src import distributed
+
+    distributed.global_state.process_id = 0
+
+
 def transfer_id(step_id: int) -> int:
     """The step's id as the transfer server takes it (unsigned): its two's complement, so a head's own
     warm-up step (id < 0) crosses too."""
@@ -381,9 +415,15 @@ def _neighbours(index: int, num_stages: int) -> list[int]:
     return sorted(p for p in peers if 0 <= p < num_stages and p != index)
 
 
-def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int) -> None:
+def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int, heartbeat_timeout_s: int) -> None:
     """jax.distributed.initialize, with its failures named: stage 0's process hosts the service, a later
-    stage first checks that it can reach it (else jax waits minutes, then aborts the process)."""
+    stage first checks that it can reach it (else jax waits minutes, then aborts the process).
+
+    The service's failure detector aborts every stage when one sends no heartbeat for
+    `heartbeat_timeout_s` (--distributed-heartbeat-timeout-s). At 10 s it was the failure: a PP 2 server
+    warming up beside other CPU-heavy work was aborted ("tasks are unhealthy (stopped sending
+    heartbeats)"), both stages SIGABRT. A dead stage is noticed by its control connection instead, within
+    milliseconds; this timeout only catches a stage that hangs without dying."""
     import jax
 
     if index > 0:
@@ -392,7 +432,7 @@ def _join_coordinator(coordinator: str, my_ip: str, index: int, num_stages: int)
     bind = coordinator if is_loopback(split_host_port(coordinator)[0]) else None
     try:
         jax.distributed.initialize(coordinator, num_processes=num_stages, process_id=index,
-                                   heartbeat_timeout_seconds=10, coordinator_bind_address=bind)
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s, coordinator_bind_address=bind)
     except Exception as e:  # noqa: BLE001 - jax raises its runtime's errors; name the coordinator
         raise ConnectionError(f"jax.distributed.initialize (process {index} of {num_stages}) with the "
                               f"coordinator at {coordinator} failed: {e}") from e
@@ -420,7 +460,7 @@ def _stage(index: int, num_stages: int, config_dict: dict[str, Any], sizing_mess
     sizing = EngineSizing.from_message(sizing_message, resolve_model_spec(config.model.model, config.model.dtype))
     mesh = stage_mesh(make_mesh(1, config.parallel.tensor_parallel_size, jax.local_devices()), 0)
     stage = build_stage(index, num_stages, mesh, config, sizing)
-    log.info("stage %d/%d (pid %d) loaded: layers %d-%d on %s", index + 1, num_stages, os.getpid(),
+    log.info("stage %d of %d (pid %d) loaded: layers %d-%d on %s", index, num_stages, os.getpid(),
              stage.layers[0], stage.layers[1] - 1, ",".join(str(d) for d in stage.devices))
     return stage, sizing, config.kv_transfer.settings()
 

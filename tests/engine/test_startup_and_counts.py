@@ -35,12 +35,13 @@ def test_token_counts_and_kv_pages_agree_with_what_happened(make_llm, caplog) ->
 
 
 @pytest.mark.slow  # a fresh interpreter builds one engine
-def test_llm_shows_startup_progress_in_a_plain_program(model_name) -> None:
+def test_llm_shows_startup_progress_in_a_plain_program(model_name, tmp_path) -> None:
     code = ("from jaxcpp import LLM; "
             f"LLM(model={model_name!r}, dtype='float32', max_model_len=256, max_num_batched_tokens=64, "
             "max_num_seqs=8, log_stats_interval_s=0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+                            env={**os.environ, "JAX_PLATFORMS": "cpu",  # a cold cache: it compiles
+                                 "JAXCPP_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache")}, check=True)
     err = result.stderr
     # two programs: the 64-token bucket and the decode-only rung of 8 (max_num_seqs 8)
     for line in ("weights loaded: ", "compiling 2 programs", "compiled bucket 2/2", "engine ready"):

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 PORT = 50051
 START_TIMEOUT_S = 300
-READY = re.compile(r"stage (\d+)/2 ready: pid (\d+) on \S+ at (\S+), transfer server (\S+):(\d+)")
+READY = re.compile(r"stage (\d+) of 2 ready: pid (\d+) on \S+ at (\S+), transfer server (\S+):(\d+)")
 
 
 def _sampling(params: Any) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def reference(pp_llm, random_model):
 def test_two_hosts_match_one_device_then_drain_on_sigterm(start_pair, reference):
     pair = start_pair()
     # each stage binds and publishes its own host's address, whoever started it
-    ready = {int(m[0]) - 1: (m[2], m[3]) for m in READY.findall(pair.log())}
+    ready = {int(m[0]): (m[2], m[3]) for m in READY.findall(pair.log())}
     assert ready == {s: (expected_addresses(s).advertise,) * 2 for s in (0, 1)}, pair.log()
     want = expected_addresses(1)
     assert f"for the head at {want.control}, advertising {want.advertise}" in pair.log("stage")
