@@ -26,6 +26,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
@@ -43,6 +44,10 @@ from jaxcpp.core.step_input import build_step_input
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.models.spec import ModelSpec, resolve_model_spec
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
+from jaxcpp.structured.request import RequestGrammar, step_bitmask
+
+if TYPE_CHECKING:  # built on first use: the library loads only when a request needs it
+    from jaxcpp.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,8 @@ class LLMEngine:
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
         self._transfers = TransferCounts()
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self._compiling: list[Sequence] = []  # constrained requests whose grammar is still compiling
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
@@ -106,6 +113,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.remote is not None:
             self.remote.close()
         self.executor.close()
@@ -130,10 +139,38 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
                        banned_ids=self._banned_ids(params), group=group, kv_transfer=kv_transfer)
+        if params.structured_outputs is not None:
+            seq.grammar = self._compile_grammar(params)
+            self._compiling.append(seq)
         if self.remote is not None and not params.reads_history_on_device:
             self.scheduler.add_remote(seq)
         else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
             self.scheduler.add(seq)
+
+    def _compile_grammar(self, params: SamplingParams) -> RequestGrammar:
+        """Start the request's grammar compiling in the pool (or find it cached): it waits in the
+        scheduler until its own grammar is built, never holding up the loop."""
+        assert params.structured_outputs is not None
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured_outputs", "this model folder has no tokenizer: a grammar "
+                                      "is over the tokenizer's tokens")
+        if self._grammars is None:
+            from jaxcpp.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.sizing.spec.config.vocab_size)
+        return RequestGrammar(self._grammars.compile(params.structured_outputs), self._grammars.matcher)
+
+    def _fail_bad_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to build end with an error naming the field (no page was taken:
+        they never left the waiting queue)."""
+        failed = []
+        for seq in [s for s in self._compiling if s.grammar.done]:
+            self._compiling.remove(seq)
+            error = seq.grammar.error()
+            if error is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "error", time.monotonic())
+                failed.append(dataclasses.replace(self._output(seq, []), error=str(error)))
+        return failed
 
     def _check_kv_transfer(self, kv_transfer: KVTransferRequest, token_ids: list[int],
                            params: SamplingParams) -> None:
@@ -180,6 +217,8 @@ class LLMEngine:
         """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
+        if self._compiling:
+            outputs += self._fail_bad_grammars()
         if self.remote is not None:
             outputs += self._remote_prefills()
         submitted = collect = False
@@ -235,6 +274,9 @@ class LLMEngine:
 
     def _submit_next(self) -> bool:
         oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
+        if oldest is not None and self._grammars is not None and self.scheduler.waits_for_constrained_token(
+                oldest.step_id):
+            return False  # collect it first (jaxcpp.structured.request: when a mask can be filled)
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
             sched = self.scheduler.schedule(feedback_from=oldest.step_id if oldest else None)
@@ -242,12 +284,15 @@ class LLMEngine:
             return False
         with phase("build"):
             step = build_step_input(sched, self.sizing.shape)
+        with phase("mask"):
+            bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words) \
+                if self._grammars is not None else None
         try:
             with phase("dispatch"):
                 self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
                                      ack=sched.ack, feedback_from=sched.feedback_from if sched.feeds_back else None,
                                      want_logprobs=sched.wants_logprobs,
-                                     want_prompt_logprobs=sched.wants_prompt_logprobs)
+                                     want_prompt_logprobs=sched.wants_prompt_logprobs, bitmask=bitmask)
         except ExecutorError:
             self._in_flight.append(sched, sched.num_decodes > 0)  # never submitted: it fails with those in flight
             self._released.add(sched.step_id)

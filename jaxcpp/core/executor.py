@@ -26,6 +26,8 @@ checks none of those rules again. Its own steps (warm-up) take ids below zero. W
                          with want_logprobs each sampled token's log-probability and the top
                          MAX_LOGPROBS [S], with want_prompt_logprobs every token's of its
                          `prompt_targets` entry [T]: computed on the device, only these come home
+    engine -> executor   `bitmask` [max_num_seqs, ceil(V / 32)] int32 for a step with constrained rows
+                         (`jaxcpp.structured`): the sampler draws only tokens whose bit is set; None: all
 
 `ack`: collect waits until the last stage has acknowledged the micro-batch, i.e. every stage finished
 and timed it (dynamic chunking needs the timing before it sizes the next chunk). A failed stage or
@@ -44,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.core.step_result import Logprobs, StageTiming, StepResult
 
@@ -54,7 +58,7 @@ __all__ = ["Executor", "ExecutorError", "FailureListener", "HostPhase", "Logprob
 class HostPhase:
     """Where the engine loop's own time went: one phase of one step (perf_counter seconds)."""
 
-    name: str             # schedule, build, dispatch, wait, postprocess, or gc (a collector pause)
+    name: str             # schedule, build, mask, dispatch, wait, postprocess, or gc (a collector pause)
     step: int             # the scheduler's step id
     start: float
     end: float
@@ -81,7 +85,7 @@ class Executor(Protocol):
 
     def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None: ...
+               want_prompt_logprobs: bool = False, bitmask: np.ndarray | None = None) -> None: ...
 
     def collect(self, step_id: int) -> StepResult: ...
 

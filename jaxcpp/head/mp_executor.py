@@ -49,6 +49,8 @@ from multiprocessing.connection import Listener
 from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
+import numpy as np
+
 from jaxcpp.config import EngineConfig
 from jaxcpp.core.executor import ExecutorError, FailureListener, HostPhase, Logprobs, StageTiming, StepResult
 from jaxcpp.core.kv_transfer import KVOffer, KVSource
@@ -467,7 +469,7 @@ class MultiProcessExecutor:
 
     def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None:
+               want_prompt_logprobs: bool = False, bitmask: np.ndarray | None = None) -> None:
         self._raise_if_failed()
         buf, layout = pack(step)
         offer = self._offers_tokens and want_tokens
@@ -476,13 +478,14 @@ class MultiProcessExecutor:
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout],
                   "want_tokens": want_tokens, "want_logits": want_logits, "feedback_from": feedback_from,
                   "offer_tokens": offer, "drain_tokens": self._to_drain, "want_logprobs": want_logprobs,
-                  "want_prompt_logprobs": want_prompt_logprobs, "needs_full_sampler": step.needs_full_sampler}
+                  "want_prompt_logprobs": want_prompt_logprobs, "needs_full_sampler": step.needs_full_sampler,
+                  "bitmask": bitmask is not None}
         self._to_drain = []
         if offer:
             self._offered.add(step_id)
         with self._lock:
             self._submit_times[step_id] = time.perf_counter()
-        self._broadcast(header, [buf])
+        self._broadcast(header, [buf], last=None if bitmask is None else [buf, bitmask])  # the sampler's mask
         self._submitted[step_id] = _Submitted(want_tokens, want_logits, ack, want_logprobs, want_prompt_logprobs)
 
     def collect(self, step_id: int) -> StepResult:
@@ -589,11 +592,13 @@ class MultiProcessExecutor:
         self._broadcast({"op": "offer_kv", "id": transfer_id, "pages": pages})
         return KVOffer(tuple(KVSource(ln.transfer, *ln.layers) for ln in self.links), len(pages))
 
-    def _broadcast(self, header: dict[str, Any], arrays: list[Any] = ()) -> None:  # type: ignore[assignment]
+    def _broadcast(self, header: dict[str, Any], arrays: list[Any] = (),  # type: ignore[assignment]
+                   last: list[Any] | None = None) -> None:
+        """`header` and `arrays` to every stage; `last`: the last stage's arrays instead."""
         for ln in self.links:
             try:
                 with ln.send_lock:
-                    wire.send(ln.conn, header, arrays)
+                    wire.send(ln.conn, header, last if last is not None and ln is self.links[-1] else arrays)
             except OSError as e:
                 self._fail(ln.error(f"sending to the stage process failed: {e}; {how_it_ended(ln)}"))
                 self._raise_if_failed()

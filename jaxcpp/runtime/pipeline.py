@@ -93,11 +93,11 @@ class PipelineExecutor:
 
     def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False) -> None:
+               want_prompt_logprobs: bool = False, bitmask: np.ndarray | None = None) -> None:
         records: list[DispatchedStage] = []
         fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
         hidden: Any = None
-        for stage, batch in zip(self.stages, self._put_step(step), strict=True):
+        for stage, batch in zip(self.stages, self._put_step(step, bitmask), strict=True):
             try:
                 if hidden is not None:
                     hidden = stage.receive(hidden)
@@ -203,8 +203,14 @@ class PipelineExecutor:
             seconds.append(elapsed)
         return seconds
 
-    def _put_step(self, step: StepInput) -> list[StageInput]:
-        """The step packed once on the host and put on every stage's devices in one `device_put`."""
+    def _put_step(self, step: StepInput, bitmask: np.ndarray | None = None) -> list[StageInput]:
+        """The step packed once on the host and put on every stage's devices in one `device_put`; a
+        bitmask goes to the last stage alone (its sampler)."""
         buf, layout = pack(step)
-        bufs = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
-        return [StageInput(b, layout, step.needs_full_sampler) for b in bufs]
+        arrays = [buf] * len(self.stages) + ([bitmask] if bitmask is not None else [])
+        put = jax.device_put(arrays, [stage.replicated for stage in self.stages]
+                             + ([self.stages[-1].replicated] if bitmask is not None else []))
+        inputs = [StageInput(b, layout, step.needs_full_sampler) for b in put[:len(self.stages)]]
+        if bitmask is not None:
+            inputs[-1] = inputs[-1]._replace(bitmask=put[-1])
+        return inputs

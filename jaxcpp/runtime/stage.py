@@ -46,6 +46,7 @@ from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.packing import unpack
 from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_history, logprobs_of, sample_step
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
+from jaxcpp.structured.request import bitmask_words
 
 
 class KVCacheSettings(NamedTuple):
@@ -69,6 +70,8 @@ class StageInput(NamedTuple):
     packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
     layout: Layout     # how to cut it apart (static: one per bucket)
     needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
+    bitmask: jax.Array | None = None  # [max_num_seqs, words] int32 on the last stage: constrained rows' allowed
+                                      # tokens (jaxcpp.structured); None: every token (a constant, no transfer)
 
 
 class StepOutput(NamedTuple):
@@ -181,6 +184,8 @@ class Stage:
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         self._sampler = jax.jit(sample_step, donate_argnums=(1,), out_shardings=rep)
+        words = bitmask_words(config.vocab_size)
+        self._all_allowed = jax.device_put(np.full((max_num_seqs, words), -1, np.int32), rep) if self.is_last else None
         self.history: History | None = jax.jit(functools.partial(empty_history, max_num_seqs, config.vocab_size),
                                                 out_shardings=rep)() if self.is_last else None
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
@@ -241,7 +246,7 @@ class Stage:
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
                 for history in (None, self.history):  # the plain and the full sampler program
-                    self._sampler.lower(sampling, history).compile()
+                    self._sampler.lower(sampling, history, self._all_allowed).compile()
                 self._sampler_compiled = True
 
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -312,10 +317,11 @@ class Stage:
         if not self.is_last:
             return out
         sampling, hidden = out
+        bitmask = self._all_allowed if batch.bitmask is None else batch.bitmask  # data: no program per grammar
         if batch.needs_full_sampler:  # penalties or min_tokens in the step: the program that has them
-            sampled, self.history = self._sampler(sampling, self.history)
+            sampled, self.history = self._sampler(sampling, self.history, bitmask)
         else:
-            sampled, _ = self._sampler(sampling, None)
+            sampled, _ = self._sampler(sampling, None, bitmask)
         return StepOutput(sampled, sampling.logits, hidden, batch)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
