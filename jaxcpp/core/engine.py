@@ -284,9 +284,10 @@ class LLMEngine:
             return False
         with phase("build"):
             step = build_step_input(sched, self.sizing.shape)
-        with phase("mask"):
-            bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words) \
-                if self._grammars is not None else None
+        bitmask = None
+        if self._grammars is not None:  # once a constrained request came: the step's grammar masks
+            with phase("mask"):
+                bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words)
         try:
             with phase("dispatch"):
                 self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,

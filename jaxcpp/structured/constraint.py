@@ -50,13 +50,13 @@ class StructuredOutputs:
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise InvalidRequestError(f"{field_name}.json", f"is not valid JSON: {e}") from None
+                raise InvalidRequestError(_field(field_name, "json"), f"is not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
-            raise InvalidRequestError(f"{field_name}.json", f"must be a JSON schema object, got {schema!r}")
-        return StructuredOutputs(json=json.dumps(schema), field_name=field_name)  # key order kept: it is the output's
+            raise InvalidRequestError(_field(field_name, "json"), f"must be a JSON schema object, got {schema!r}")
+        return StructuredOutputs(json=json.dumps(schema), field_name=field_name)
 
     def _where(self, kind: str) -> str:
-        return f"{self.field_name}.{kind}"
+        return _field(self.field_name, kind)  # key order kept: it is the output's
 
     @property
     def kind(self) -> str:
@@ -81,6 +81,12 @@ class StructuredOutputs:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
         assert self.grammar is not None
         return LLMatcher.grammar_from_lark(self.grammar)
+
+
+def _field(field_name: str, kind: str) -> str:
+    """The field an error names: `<field_name>.<kind>`, or the field itself where the front end named the
+    schema's own field (`response_format.json_schema.schema`, `tools[0].function.parameters`)."""
+    return field_name if field_name.endswith((".schema", ".parameters")) else f"{field_name}.{kind}"
 
 
 def _validate(grammar_text: str) -> str:
