@@ -1,18 +1,14 @@
 """Constrained decoding in the engine on the tiny model: outputs obey their constraint, a constrained
 row beside free rows is what it is alone, no program compiles for a new grammar or a new mix, async
-scheduling and stage processes agree, a grammar that fails its compile fails its request only."""
+scheduling and stage processes agree (the grammar pool on the fake executor: test_grammar_pool.py)."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 
 from jaxcpp import SamplingParams
-from jaxcpp.core.fake_executor import FakeExecutor
-from jaxcpp.structured import grammar as grammar_module
 from jaxcpp.structured.constraint import StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {
@@ -91,64 +87,3 @@ def test_stage_processes_give_the_same_tokens(small_llm) -> None:
     mp = small_llm(pipeline_parallel_size=2, distributed_executor_backend="mp").generate(prompts, params)
     assert [o.token_ids for o in mp] == [o.token_ids for o in one]
     json.loads(mp[0].text)
-
-
-# ---- the grammar pool, on the fake executor (no jax) -------------------------------------------------
-def fake_llm():
-    from jaxcpp import LLM
-
-    return LLM(executor=FakeExecutor(vocab_size=259, eos_token_id=257), max_model_len=256,
-               max_num_batched_tokens=64, max_num_seqs=8, log_stats_interval_s=0)
-
-
-def test_a_request_waits_for_its_own_grammar_only(monkeypatch) -> None:
-    release = threading.Event()
-    build = grammar_module.GrammarCompiler._build
-
-    def slow_build(self, constraint):
-        if constraint.regex == "slow":
-            release.wait(10)
-        return build(self, constraint)
-
-    monkeypatch.setattr(grammar_module.GrammarCompiler, "_build", slow_build)
-    llm = fake_llm()
-    engine = llm.engine
-    engine.add_request("slow", "hi", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="slow")))
-    engine.add_request("fast", "hi", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="ok")))
-    engine.add_request("free", "hi", SamplingParams(max_tokens=3))
-    done: dict[str, str] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.finish_reason
-        if {"fast", "free"} <= done.keys():
-            break
-    assert done == {"fast": "stop", "free": "length"}  # the slow grammar held up no one else
-    assert engine.scheduler.requests["slow"].pages == []  # still waiting: no page taken
-    release.set()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = out.finish_reason if out.finished else None
-    assert done["slow"] == "stop"
-    llm.engine.close()
-
-
-def test_a_grammar_that_fails_to_build_fails_its_request_only(monkeypatch) -> None:
-    def failing_build(self, constraint):
-        raise grammar_module.InvalidRequestError("structured_outputs.regex", "cannot be compiled: boom")
-
-    monkeypatch.setattr(grammar_module.GrammarCompiler, "_build", failing_build)
-    llm = fake_llm()
-    engine = llm.engine
-    engine.add_request("bad", "hi", SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="a")))
-    engine.add_request("free", "hi", SamplingParams(max_tokens=3))
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    assert outs["bad"].finish_reason == "error" and "structured_outputs.regex" in outs["bad"].error
-    assert outs["free"].finish_reason == "length"
-    assert engine.allocator.num_used == 0
-    llm.engine.close()
