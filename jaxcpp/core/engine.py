@@ -142,9 +142,10 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.grammar = self._compile_grammar(params)
             self._compiling.append(seq)
-        if self.remote is not None and not params.reads_history_on_device:
+        if self.remote is not None and not params.reads_history_on_device and seq.grammar is None:
             self.scheduler.add_remote(seq)
         else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
+            # or whose first token its own grammar masks (a constrained one)
             self.scheduler.add(seq)
 
     def _compile_grammar(self, params: SamplingParams) -> RequestGrammar:

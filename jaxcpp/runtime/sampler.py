@@ -7,6 +7,7 @@ One step's sampling (`sample_step`), for each of the W rows the last stage hands
     penalties        repetition (prompt + generated tokens), frequency and presence (generated tokens)  (*)
     min_tokens       the request's stop ids banned (-inf) until it has generated enough tokens  (*)
     grammar mask     tokens a constrained row's grammar forbids (its bitmask bit clear) -> -inf
+                     (only in the programs for steps with a constrained row; the host picks them)
     draw             `sample`: greedy, or temperature -> min_p -> top_k -> top_p -> a seeded draw
     logprobs         log-softmax of the model's raw logits: the drawn token's, and the top MAX_LOGPROBS
                      (zeros when no row asks: on CPU they are not computed then)
@@ -90,14 +91,15 @@ def sample_step(x: SamplingInput, history: History | None,
     (a second one, traced for None) does neither: the host picks it from the step's own data
     (`StepInput.needs_full_sampler`), so a step without penalties or min_tokens pays nothing for them, on
     any backend and without a device conditional. `bitmask` ([W, ceil(V / 32)] int32): each row's
-    allowed tokens (structured outputs, `apply_bitmask`), data whatever the grammar."""
+    allowed tokens (structured outputs, `apply_bitmask`), data whatever the grammar; None (a step with
+    no constrained row) traces the programs without it, which the host picks the same way."""
     logits = x.logits
     if history is not None:
         history = _add_prompt_tokens(history, x)
         logits = apply_penalties(logits, *_rows_history(history, x.history_slot), x.presence_penalty,
                                  x.frequency_penalty, x.repetition_penalty)
         logits = _ban(logits, x.banned_ids)
-    if bitmask is not None:  # the stage always passes one (all ones for free rows): one program
+    if bitmask is not None:  # a step with a constrained row: the programs traced with a mask
         logits = apply_bitmask(logits, bitmask)
     tokens = sample(logits, x.temperature, x.top_k, x.top_p, x.seeds, x.num_generated, x.min_p)
     rows = x.logits.shape[0]
@@ -114,9 +116,10 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """Tokens whose bit is clear may not be drawn: bit t % 32 of word t // 32 of a row ([W, words] int32,
     the grammar library's layout). Only the V logits' bits are read: words may run past V (padding bits,
     cropped here). An all-ones row (a free request) is an exact no-op."""
-    ids = jnp.arange(logits.shape[-1])
-    allowed = (bitmask[:, ids // 32] >> (ids % 32)) & 1
-    return jnp.where(allowed == 1, logits, -jnp.inf)
+    rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [W, words, 32]: no gather
+    allowed = bits.reshape(rows, -1)[:, :vocab] == 1
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _when(pred: jax.Array, fn: Any, operand: Any) -> Any:

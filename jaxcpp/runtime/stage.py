@@ -9,7 +9,8 @@
 The last stage's bucket program ends at the logits, padded with the sampling parameters to
 max_num_seqs rows, whatever the bucket; one sampler program then draws the tokens, their logprobs and
 keeps the penalties' per-request history (`jaxcpp.runtime.sampler`; the history is the last stage's
-donated device state, like its KV pages). The sampler
+donated device state, like its KV pages; four variants, which the host picks from the step's data: with
+or without the penalty history, with or without a grammar bitmask). The sampler
 (sorts for top-k / top-p, a threefry draw per row) is about a third of a bucket program's XLA compile
 time on CPU, so compiling it once instead of into every bucket cuts the cold start. Prompt
 log-probabilities (`echo`) need the logits of every prompt token, not only each sequence's last: the
@@ -71,7 +72,7 @@ class StageInput(NamedTuple):
     layout: Layout     # how to cut it apart (static: one per bucket)
     needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
     bitmask: jax.Array | None = None  # [max_num_seqs, words] int32 on the last stage: constrained rows' allowed
-                                      # tokens (jaxcpp.structured); None: every token (a constant, no transfer)
+                                      # tokens (jaxcpp.structured); None: no constrained row, the maskless sampler
 
 
 class StepOutput(NamedTuple):
@@ -184,8 +185,7 @@ class Stage:
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         self._sampler = jax.jit(sample_step, donate_argnums=(1,), out_shardings=rep)
-        words = bitmask_words(config.vocab_size)
-        self._all_allowed = jax.device_put(np.full((max_num_seqs, words), -1, np.int32), rep) if self.is_last else None
+        self._bitmask_aval = self._aval((max_num_seqs, bitmask_words(config.vocab_size)), np.int32)
         self.history: History | None = jax.jit(functools.partial(empty_history, max_num_seqs, config.vocab_size),
                                                 out_shardings=rep)() if self.is_last else None
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
@@ -245,8 +245,9 @@ class Stage:
                                         layout=layout).compile()
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
-                for history in (None, self.history):  # the plain and the full sampler program
-                    self._sampler.lower(sampling, history, self._all_allowed).compile()
+                for history in (None, self.history):  # the plain and the full sampler program,
+                    for bitmask in (None, self._bitmask_aval):  # each with and without a grammar mask
+                        self._sampler.lower(sampling, history, bitmask).compile()
                 self._sampler_compiled = True
 
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -317,11 +318,12 @@ class Stage:
         if not self.is_last:
             return out
         sampling, hidden = out
-        bitmask = self._all_allowed if batch.bitmask is None else batch.bitmask  # data: no program per grammar
-        if batch.needs_full_sampler:  # penalties or min_tokens in the step: the program that has them
-            sampled, self.history = self._sampler(sampling, self.history, bitmask)
+        # penalties or min_tokens in the step: the program that has them; a constrained row: the one
+        # with a mask (data: no program per grammar or per mix of rows)
+        if batch.needs_full_sampler:
+            sampled, self.history = self._sampler(sampling, self.history, batch.bitmask)
         else:
-            sampled, _ = self._sampler(sampling, None, bitmask)
+            sampled, _ = self._sampler(sampling, None, batch.bitmask)
         return StepOutput(sampled, sampling.logits, hidden, batch)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:

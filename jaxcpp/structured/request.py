@@ -7,7 +7,8 @@
 
 The bitmask is [rows, words] int32 whatever the step (rows: the sampler's max_num_seqs, words: the
 model's vocabulary / 32, rounded up), so neither a new grammar nor a new mix of constrained and free
-rows changes a shape the device sees; free rows and padding rows are all ones (every token allowed).
+rows changes a shape the device sees; free rows and padding rows are all ones (every token allowed). A
+step without a constrained row has none: the last stage runs its sampler programs without a mask.
 
 When may a row's mask be filled? Only once the request's previous token is on the host: the mask is
 the grammar's state after that token. So a constrained request never decodes from a placeholder
