@@ -95,6 +95,11 @@ class LLMEngine:
         self._transfers = TransferCounts()
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self._compiling: list[Sequence] = []  # constrained requests whose grammar is still compiling
+        # async scheduling + an executor that can draw a step's tokens after its forward: a constrained
+        # decode takes a placeholder, and its mask is filled once the token before it is collected
+        self._defer_masks = self.async_scheduling and getattr(self.executor, "defers_masks", False)
+        self.scheduler.constrained_placeholders = self._defer_masks
+        self._awaiting_mask: SchedulerOutput | None = None  # the step submitted without its draw
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
@@ -275,8 +280,10 @@ class LLMEngine:
 
     def _submit_next(self) -> bool:
         oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
-        if oldest is not None and self._grammars is not None and self.scheduler.waits_for_constrained_token(
-                oldest.step_id):
+        if self._awaiting_mask is not None:
+            return False  # its draw comes first: steps are sampled in order
+        if oldest is not None and self._grammars is not None and not self._defer_masks and \
+                self.scheduler.waits_for_constrained_token(oldest.step_id):
             return False  # collect it first (jaxcpp.structured.request: when a mask can be filled)
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
@@ -285,21 +292,25 @@ class LLMEngine:
             return False
         with phase("build"):
             step = build_step_input(sched, self.sizing.shape)
-        bitmask = None
+        bitmask, deferred = None, False
         if self._grammars is not None:  # once a constrained request came: the step's grammar masks
-            with phase("mask"):
-                bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words)
+            deferred = any(c.feedback_row >= 0 and c.seq.grammar is not None for c in sched.chunks)
+            if not deferred:
+                with phase("mask"):
+                    bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words)
         try:
             with phase("dispatch"):
                 self.executor.submit(sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits,
                                      ack=sched.ack, feedback_from=sched.feedback_from if sched.feeds_back else None,
                                      want_logprobs=sched.wants_logprobs,
-                                     want_prompt_logprobs=sched.wants_prompt_logprobs, bitmask=bitmask)
+                                     want_prompt_logprobs=sched.wants_prompt_logprobs, bitmask=bitmask,
+                                     **({"defer_sampling": True} if deferred else {}))
         except ExecutorError:
             self._in_flight.append(sched, sched.num_decodes > 0)  # never submitted: it fails with those in flight
             self._released.add(sched.step_id)
             raise
         self._in_flight.append(sched, sched.num_decodes > 0)
+        self._awaiting_mask = sched if deferred else None
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
@@ -319,7 +330,23 @@ class LLMEngine:
             self._offer_kv_pages(sched)
             sampled = self.scheduler.postprocess(sched, result, time.monotonic())
             self._stats.count_sampled(len(sampled))
-            return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+            outputs = [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+        if self._awaiting_mask is not None and self._awaiting_mask.feedback_from == sched.step_id:
+            self._sample_late(phase)
+        return outputs
+
+    def _sample_late(self, phase: Callable[[str], AbstractContextManager[None]]) -> None:
+        """The step waiting for its draw: its constrained rows' grammars have their previous token now
+        (just collected), so its mask is filled and its tokens drawn, while the device runs its forward."""
+        assert self._awaiting_mask is not None and self._grammars is not None
+        pending, self._awaiting_mask = self._awaiting_mask, None
+        with phase("mask"):
+            bitmask = step_bitmask(pending, self.sizing.shape.max_num_seqs, self._grammars.words)
+        try:
+            self.executor.sample(pending.step_id, bitmask)  # type: ignore[attr-defined]
+        except ExecutorError:
+            self._released.add(pending.step_id)
+            raise
 
     def _offer_kv_pages(self, sched: SchedulerOutput) -> None:
         """A producer's prefills that sampled their (one) token: offer the prompt's pages to their consumer
@@ -348,6 +375,7 @@ class LLMEngine:
         log.error("executor failed: %s; failing the requests of %d step(s) in flight", error, len(self._in_flight))
         now, outputs = time.monotonic(), []
         self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
+        self._awaiting_mask = None
         while self._in_flight:
             sched = self._in_flight.popleft()
             if sched.step_id not in self._released and not error.fatal:

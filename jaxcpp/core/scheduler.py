@@ -183,6 +183,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
         self.prefix_hit_tokens = 0            # of those, tokens the cache gave
         self.free_history_slots = list(range(config.max_num_seqs))[::-1]  # device penalty-history rows
+        self.constrained_placeholders = False  # the engine fills a constrained placeholder's mask late
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -322,7 +323,7 @@ class Scheduler:
         its last (a placeholder decode past max_tokens or the model's length would only be dropped)."""
         if feedback_from is None or seq.num_pending != 1 or seq.pending_step != feedback_from:
             return False
-        if seq.grammar is not None:
+        if seq.grammar is not None and not self.constrained_placeholders:
             return False  # its next mask is its grammar's state after that token (jaxcpp.structured.request)
         return seq.num_computed_tokens == seq.num_tokens and not self._at_length(seq, ahead=1)
 

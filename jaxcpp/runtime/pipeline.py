@@ -51,6 +51,8 @@ class _Submitted:
 
 
 class PipelineExecutor:
+    defers_masks = True  # `submit(defer_sampling=True)` then `sample(step_id, bitmask)` (jaxcpp.structured.request)
+
     def __init__(self, stages: list[Stage], trace_file: str | None = None, kv: KVSettings | None = None) -> None:
         """`kv`: this instance's part in disaggregation (its transfer server starts here), or None."""
         compile_guard.install()
@@ -93,11 +95,13 @@ class PipelineExecutor:
 
     def submit(self, step_id: int, step: StepInput, *, want_tokens: bool = True, want_logits: bool = False,
                ack: bool = False, feedback_from: int | None = None, want_logprobs: bool = False,
-               want_prompt_logprobs: bool = False, bitmask: np.ndarray | None = None) -> None:
+               want_prompt_logprobs: bool = False, bitmask: np.ndarray | None = None,
+               defer_sampling: bool = False) -> None:
+        """`defer_sampling`: the last stage stops at the logits; `sample(step_id, bitmask)` draws."""
         records: list[DispatchedStage] = []
         fed_back = self._fed_back(feedback_from)  # tokens the first stage's placeholder decodes read
         hidden: Any = None
-        for stage, batch in zip(self.stages, self._put_step(step, bitmask), strict=True):
+        for stage, batch in zip(self.stages, self._put_step(step, bitmask, defer_sampling), strict=True):
             try:
                 if hidden is not None:
                     hidden = stage.receive(hidden)
@@ -110,12 +114,28 @@ class PipelineExecutor:
                                            dispatched, inputs, hidden))
         out: StepOutput = hidden  # the last stage's output
         prompt_logprobs = self.stages[-1].run_prompt_logprobs(out) if want_prompt_logprobs else None
-        wanted = [[out.tokens] if want_tokens else [], [out.logits] if want_logits else [],
-                  out.sampled[1:] if want_logprobs else (), prompt_logprobs or ()]
-        for array in (a for arrays in wanted for a in arrays):
-            array.copy_to_host_async()  # start home as soon as they exist
         self._timing.watch(records)
         self._submitted[step_id] = _Submitted(out, want_tokens, want_logits, ack, want_logprobs, prompt_logprobs)
+        if not defer_sampling:
+            self._fetch(self._submitted[step_id])
+
+    def sample(self, step_id: int, bitmask: np.ndarray | None) -> None:
+        """Draw the tokens of a step submitted with `defer_sampling`, with its (now known) mask."""
+        sub, stage = self._submitted[step_id], self.stages[-1]
+        try:
+            mask = jax.device_put(bitmask, stage.replicated) if bitmask is not None else None
+            sub.output = stage.sample(sub.output, mask)
+        except Exception as e:  # a dispatch error fails the step
+            raise ExecutorError(f"sampling micro-batch {step_id} failed: {e}", stage=stage.index) from e
+        self._fetch(sub)
+
+    @staticmethod
+    def _fetch(sub: _Submitted) -> None:
+        out = sub.output
+        wanted = [[out.tokens] if sub.want_tokens else [], [out.logits] if sub.want_logits else [],
+                  out.sampled[1:] if sub.want_logprobs else (), sub.prompt_logprobs or ()]  # type: ignore[index]
+        for array in (a for arrays in wanted for a in arrays):
+            array.copy_to_host_async()  # start home as soon as they exist
 
     def _fed_back(self, feedback_from: int | None) -> Any:
         """The tokens of a step still in flight, moved (asynchronously) to the first stage's devices."""
@@ -125,6 +145,8 @@ class PipelineExecutor:
 
     def collect(self, step_id: int) -> StepResult:
         head = self._submitted.pop(step_id)
+        if head.output.sampled is None:  # deferred, and never sampled: only a failed engine collects it so
+            raise ExecutorError(f"micro-batch {step_id} was collected before it was sampled", fatal=False)
         timings = self._timing.wait_for_ack(step_id) if head.ack else ()
         try:
             jax.block_until_ready(head.output.tokens)  # out of the pipe: it holds no activation any more
@@ -203,7 +225,8 @@ class PipelineExecutor:
             seconds.append(elapsed)
         return seconds
 
-    def _put_step(self, step: StepInput, bitmask: np.ndarray | None = None) -> list[StageInput]:
+    def _put_step(self, step: StepInput, bitmask: np.ndarray | None = None,
+                  defer_sampling: bool = False) -> list[StageInput]:
         """The step packed once on the host and put on every stage's devices in one `device_put`; a
         bitmask goes to the last stage alone (its sampler)."""
         buf, layout = pack(step)
@@ -213,4 +236,6 @@ class PipelineExecutor:
         inputs = [StageInput(b, layout, step.needs_full_sampler) for b in put[:len(self.stages)]]
         if bitmask is not None:
             inputs[-1] = inputs[-1]._replace(bitmask=put[-1])
+        if defer_sampling:
+            inputs[-1] = inputs[-1]._replace(defer_sampling=True)
         return inputs

@@ -73,16 +73,21 @@ class StageInput(NamedTuple):
     needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
     bitmask: jax.Array | None = None  # [max_num_seqs, words] int32 on the last stage: constrained rows' allowed
                                       # tokens (jaxcpp.structured); None: no constrained row, the maskless sampler
+    defer_sampling: bool = False      # the last stage stops at the logits: `Stage.sample` draws later, once
+                                      # the host has the mask (a constrained decode's token was still pending)
 
 
 class StepOutput(NamedTuple):
-    sampled: SampledTokens  # [max_num_seqs] rows: each sequence's token (rows past the batch: garbage)
+    sampled: SampledTokens | None  # [max_num_seqs] rows: each sequence's token (rows past the batch: garbage);
+                                   # None until `Stage.sample` for a step with deferred sampling
     logits: jax.Array       # [max_num_seqs, V] float32: fetched only when the step asked for them
     hidden: jax.Array       # [T, D]: the last layer's output, for prompt logprobs when a step asks
     batch: StageInput       # the step, for the prompt logprobs' targets
+    sampling: SamplingInput | None = None  # what a deferred draw samples from
 
     @property
     def tokens(self) -> jax.Array:
+        assert self.sampled is not None, "a step with deferred sampling was not sampled (Stage.sample)"
         return self.sampled.tokens
 
 
@@ -318,13 +323,19 @@ class Stage:
         if not self.is_last:
             return out
         sampling, hidden = out
-        # penalties or min_tokens in the step: the program that has them; a constrained row: the one
-        # with a mask (data: no program per grammar or per mix of rows)
-        if batch.needs_full_sampler:
-            sampled, self.history = self._sampler(sampling, self.history, batch.bitmask)
+        step = StepOutput(None, sampling.logits, hidden, batch, sampling)
+        return step if batch.defer_sampling else self.sample(step, batch.bitmask)
+
+    def sample(self, step: StepOutput, bitmask: jax.Array | None) -> StepOutput:
+        """Draw the step's tokens (dispatched, not awaited). Penalties or min_tokens in the step: the
+        program that has them; a constrained row: the one with a mask (data: no program per grammar or
+        per mix of rows). Steps are sampled in submission order (the history is donated state)."""
+        assert step.sampling is not None
+        if step.batch.needs_full_sampler:
+            sampled, self.history = self._sampler(step.sampling, self.history, bitmask)
         else:
-            sampled, _ = self._sampler(sampling, None, batch.bitmask)
-        return StepOutput(sampled, sampling.logits, hidden, batch)
+            sampled, _ = self._sampler(step.sampling, None, bitmask)
+        return step._replace(sampled=sampled, sampling=None)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
         """Only the first stage reads fed-back tokens; without any it reads zeros (no wait, same program)."""

@@ -74,7 +74,8 @@ def bitmask_words(vocab_size: int) -> int:
 def step_bitmask(sched: SchedulerOutput, rows: int, words: int) -> np.ndarray | None:
     """The step's allowed tokens, row i for chunk i: its grammar's mask where the chunk samples for a
     constrained request, all ones elsewhere. None when the step has no constrained row."""
-    constrained = [(i, c.seq.grammar) for i, c in enumerate(sched.chunks) if c.samples and c.seq.grammar is not None]
+    constrained = [(i, c.seq.grammar) for i, c in enumerate(sched.chunks)
+                   if c.samples and c.seq.grammar is not None and not c.seq.is_finished]  # a dropped placeholder
     if not constrained:
         return None
     bitmask = np.full((rows, words), -1, np.int32)

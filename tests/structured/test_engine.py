@@ -78,6 +78,19 @@ def test_async_scheduling_gives_the_same_tokens(small_llm) -> None:
     assert [o.token_ids for o in sync] == [o.token_ids for o in fast]
 
 
+def test_async_scheduling_keeps_a_constrained_stream_a_step_ahead(small_llm, monkeypatch) -> None:
+    """In process, a constrained decode is scheduled before its previous token is back: the step's
+    forward runs while the host collects that token, and its draw follows with the mask filled then."""
+    llm = small_llm(async_scheduling=True)
+    executor, late = llm.engine.executor, []
+    sample = executor.sample
+    monkeypatch.setattr(executor, "sample", lambda step_id, bitmask: (late.append(step_id), sample(step_id, bitmask)))
+    out = llm.generate(["Tell me"], constrained(structured_outputs=StructuredOutputs.from_schema(SCHEMA)))[0]
+    jsonschema_ok = json.loads(out.text)
+    assert jsonschema_ok and len(late) >= len(out.token_ids) - 2  # every decode but the first drawn late
+    assert llm.engine.stats().num_compilations_since_warmup == 0
+
+
 @pytest.mark.slow
 def test_stage_processes_give_the_same_tokens(small_llm) -> None:
     prompts = ["Tell me", "Once upon"]
