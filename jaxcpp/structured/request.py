@@ -11,11 +11,16 @@ rows changes a shape the device sees; free rows and padding rows are all ones (e
 step without a constrained row has none: the last stage runs its sampler programs without a mask.
 
 When may a row's mask be filled? Only once the request's previous token is on the host: the mask is
-the grammar's state after that token. So a constrained request never decodes from a placeholder
-(async scheduling's fed-back token, `Scheduler._can_decode_pending`), and the engine does not schedule
-ahead of a step that samples for one (it collects that step first, `LLMEngine._submit_next`): the
-constrained stream keeps one token per step, and the masks of the step are filled while the devices
-run the steps still in flight (the other micro-batches of a pipeline).
+the grammar's state after that token. Two rules, by executor:
+  - one that draws a step's tokens after its forward (`defers_masks`: the in-process pipeline): under
+    async scheduling the constrained decode takes a fed-back placeholder like any other; its step is
+    submitted with `defer_sampling`, and when the step it feeds back from has been collected (the
+    grammar has the token), the engine fills the mask and calls `executor.sample(step_id, bitmask)`.
+    The fill runs while the device runs the forward; nothing is submitted in between, so steps are
+    sampled in order (the penalty history is donated state). vLLM splits its step the same way.
+  - the others (stage processes): a constrained request never decodes from a placeholder
+    (`Scheduler._can_decode_pending`), and the engine does not schedule ahead of a step that samples for
+    one (`LLMEngine._submit_next`); the stream keeps one token per step, its batch loses the overlap.
 """
 
 from __future__ import annotations

@@ -92,11 +92,17 @@ def test_async_scheduling_keeps_a_constrained_stream_a_step_ahead(small_llm, mon
 
 
 @pytest.mark.slow
-def test_stage_processes_give_the_same_tokens(small_llm) -> None:
-    prompts = ["Tell me", "Once upon"]
+@pytest.mark.parametrize("stages", [dict(pipeline_parallel_size=2),  # in process: draws deferred
+                                    dict(pipeline_parallel_size=2, distributed_executor_backend="mp")],
+                         ids=["pp2", "pp2-stage-processes"])
+def test_pipeline_stages_give_the_same_tokens(small_llm, stages) -> None:
+    prompts = ["Tell me", "Once upon", "Pick"]
     params = [constrained(structured_outputs=StructuredOutputs.from_schema(SCHEMA)),
-              SamplingParams(max_tokens=20, temperature=0.0)]
+              SamplingParams(max_tokens=20, temperature=0.0),
+              constrained(temperature=1.0, seed=2, structured_outputs=StructuredOutputs(regex="[a-z]{3,9}!"))]
     one = small_llm().generate(prompts, params)
-    mp = small_llm(pipeline_parallel_size=2, distributed_executor_backend="mp").generate(prompts, params)
-    assert [o.token_ids for o in mp] == [o.token_ids for o in one]
-    json.loads(mp[0].text)
+    llm = small_llm(**stages)
+    piped = llm.generate(prompts, params)
+    assert [o.token_ids for o in piped] == [o.token_ids for o in one]
+    json.loads(piped[0].text)
+    assert llm.engine.stats().num_compilations_since_warmup == 0
