@@ -5,8 +5,8 @@ extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `igno
 `stop_token_ids`, `include_stop_str_in_output`, `prompt_logprobs`), so clients written for either
 work unchanged. Structured outputs: OpenAI's `response_format` and vLLM's `structured_outputs`
 (`jaxcpp.serving.structured_outputs`); tools: `tools`, `tool_choice`, `parallel_tool_calls`
-(`jaxcpp.serving.tool_calls`). Unknown fields are ignored, as vLLM does. The values themselves are checked once, by
-`SamplingParams`; an error names the field as the client sent it (`OpenAIError.param`).
+(`jaxcpp.serving.tool_calls`). Unknown fields are ignored, as vLLM does. The values themselves are
+checked once, by `SamplingParams`; an error names the field as the client sent it (`OpenAIError.param`).
 """
 
 from __future__ import annotations
