@@ -13,6 +13,12 @@ the device does not wait through the host's schedule / build / postprocess betwe
     LLMEngine(config)                      # plans sizes from the model folder, builds the real executor
     LLMEngine(config, executor=FakeExecutor(...))   # any executor: tests and tools, no jax needed
 
+Structured outputs (`jaxcpp.structured`): a constrained request waits in the scheduler until its own
+grammar is built in the pool; each step carries the grammar masks of its constrained rows (filled on
+the host after the step is built), or, for a decode whose previous token is still on the device, is
+submitted without its draw, and the mask is filled and the draw dispatched once the step before it is
+collected (`_sample_late`; the executor must `defers_masks`, else such a decode is not scheduled ahead).
+
 A failed stage surfaces as `ExecutorError`: the requests of the steps in flight end with finish reason
 "error" (their pages freed); a fatal one then propagates, since the executor cannot run more steps.
 Not thread-safe: one thread drives it.
