@@ -65,4 +65,4 @@ def _extra(extra: dict[str, Any]) -> StructuredOutputs:
         return StructuredOutputs(json_object=True)
     if not isinstance(value, str):
         raise InvalidRequestError(f"structured_outputs.{kind}", "must be a string")
-    return StructuredOutputs(**{kind: value})
+    return StructuredOutputs(regex=value) if kind == "regex" else StructuredOutputs(grammar=value)

@@ -68,7 +68,7 @@ class StructuredOutputs:
         """The library's grammar for this constraint (JSON without free whitespace: compact output)."""
         from llguidance import LLMatcher
 
-        compact = {"whitespace_flexible": False}
+        compact: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions (a TypedDict)
         if self.json is not None or self.json_object:
             schema = json.loads(self.json) if self.json is not None else {"type": "object"}
             try:

@@ -60,7 +60,7 @@ class RequestGrammar:
             self._matcher = self._start(self._compiled)  # raises the compile's error, if it failed
         return self._matcher
 
-    def error(self) -> Exception | None:
+    def error(self) -> BaseException | None:
         """The compile's error, once it is done (None: built, or still compiling)."""
         return self._compiled.exception() if self._compiled.done() else None
 
