@@ -21,6 +21,7 @@ from jaxcpp.serving.client import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.server import ServerThread
 from jaxcpp.serving.tool_calls import ToolCalling
+from tests.serving.conftest import wait_until
 
 # A Hermes-style template: the tools listed, calls as <tool_call>{...}</tool_call>, tool results. It
 # refuses a call whose arguments are not an object (what transformers templates index into).
@@ -73,8 +74,11 @@ def client(server) -> openai.OpenAI:
 
 
 def idle(server: ServerThread) -> bool:
+    """Every page free and nothing left in the engine, once a step still in flight for a finished
+    request (async scheduling's one ahead, its token dropped) has come back."""
     engine = server.server.engine_loop.engine  # type: ignore[union-attr]
-    return engine.allocator.num_used == 0 and not engine.has_unfinished_requests()
+    wait_until(lambda: engine.allocator.num_used == 0 and not engine.has_unfinished_requests(), timeout=30)
+    return True
 
 
 def compilations(server: ServerThread) -> int:
