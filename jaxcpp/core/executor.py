@@ -27,7 +27,10 @@ checks none of those rules again. Its own steps (warm-up) take ids below zero. W
                          MAX_LOGPROBS [S], with want_prompt_logprobs every token's of its
                          `prompt_targets` entry [T]: computed on the device, only these come home
     engine -> executor   `bitmask` [max_num_seqs, ceil(V / 32)] int32 for a step with constrained rows
-                         (`jaxcpp.structured`): the sampler draws only tokens whose bit is set; None: all
+                         (`jaxcpp.structured`): the sampler draws only tokens whose bit is set; None: all.
+                         Optional: an executor with `defers_masks = True` also takes
+                         `submit(..., defer_sampling=True)` (the forward only) and later
+                         `sample(step_id, bitmask)` (the draw), before any other step is submitted
 
 `ack`: collect waits until the last stage has acknowledged the micro-batch, i.e. every stage finished
 and timed it (dynamic chunking needs the timing before it sizes the next chunk). A failed stage or
