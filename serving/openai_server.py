@@ -59,6 +59,7 @@ from jaxcpp.serving.openai_protocol import (
     TokenizeRequest,
     check_text,
 )
+from jaxcpp.serving.tool_calls import ToolCalling, ToolStream, merge, template_messages
 from jaxcpp.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -229,17 +230,21 @@ class OpenAIServer:
         self._check_model(body.model)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            body.check_unsupported()
-            text = self._render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                                body.chat_template_kwargs)
+            tools = ToolCalling.of(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                   self.config.enable_auto_tool_choice, self.config.tool_call_parser)
+            text = self._render(template_messages([m.for_template() for m in body.messages]),
+                                body.add_generation_prompt, {**({"tools": tools.tools} if tools else {}),
+                                                             **(body.chat_template_kwargs or {})})
             ids = self._prompt_ids(text, "messages")
             max_tokens = body.requested_max_tokens()
             params = body.sampling_params(max_tokens if max_tokens is not None else self._room(ids),
                                           body.logprob_count(), None)
+            params = tools.constrain(params) if tools is not None else params
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e, CHAT_FIELDS) from None
         call = _Call(call_id, "chat.completion", body.model or self._names[0],
-                     [RequestState(call_id, params, self._tokenizer)], [ids], body.n, self._tokenizer, chat=True)
+                     [RequestState(call_id, params, self._tokenizer)], [ids], body.n, self._tokenizer, chat=True,
+                     tools=tools if tools is not None and tools.makes_calls else None)
         return await self._respond(call, request, body.stream, body.include_usage, CHAT_FIELDS)
 
     # ---- one call ------------------------------------------------------------------------------
@@ -369,9 +374,12 @@ class _Call:
     """One HTTP call's samples (n per prompt, prompts of a batch), as chunks and as one response."""
 
     def __init__(self, call_id: str, kind: str, model: str, states: list[RequestState], prompts: list[list[int]],
-                 n: int, tokenizer: Tokenizer | None, *, echo: bool = False, chat: bool = False) -> None:
+                 n: int, tokenizer: Tokenizer | None, *, echo: bool = False, chat: bool = False,
+                 tools: ToolCalling | None = None) -> None:
         self.id, self.kind, self.model, self.states, self.prompts = call_id, kind, model, states, prompts
         self.n, self.echo, self.chat = n, echo, chat
+        self.tools = tools  # calls to parse out of the text (jaxcpp.serving.tool_calls)
+        self._tool_streams: dict[int, ToolStream] = {}
         self.created = int(time.time())
         self._started: set[int] = set()  # choices whose first chunk went out
         self._tokenizer = tokenizer
@@ -393,7 +401,13 @@ class _Call:
         finish = {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason} if delta.finished \
             else {"finish_reason": None}
         if self.chat:
-            message: Event = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            message: Event = {"content": delta.text}
+            if self.tools is not None:
+                stream = self._tool_streams.setdefault(index, ToolStream(self.tools))
+                message = merge(stream.feed(delta.text, delta.finished))
+                if delta.finished:
+                    finish["finish_reason"] = self.tools.finish_reason(delta.finish_reason, stream.made_calls)
+            message = {"role": "assistant", **message} if first else message
             logprobs = _chat_logprobs(self._tokenizer, delta.logprobs)
             return {**self.header("chunk"), "choices": [{"index": index, "delta": message, "logprobs": logprobs,
                                                          **finish}]}
@@ -422,7 +436,11 @@ class _Call:
         finish = {"finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
         entries: Entries = list(sample.logprobs) if sample.params.logprobs is not None else None
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": sample.text},
+            message = {"role": "assistant", "content": sample.text}
+            if self.tools is not None:
+                message = self.tools.message(sample.text)
+                finish["finish_reason"] = self.tools.finish_reason(sample.finish_reason, "tool_calls" in message)
+            return {"index": index, "message": message,
                     "logprobs": _chat_logprobs(self._tokenizer, entries), **finish}
         text = sample.text
         if self.echo and state.prompt_output is not None:

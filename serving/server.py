@@ -60,6 +60,7 @@ from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 from jaxcpp.serving.metrics import ServingMetrics, split_dynamic_chunking
 from jaxcpp.serving.openai_server import OpenAIServer
+from jaxcpp.structured.constraint import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,22 @@ _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "see
 def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; raises InvalidRequestError naming the field."""
     kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
     return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, stop=tuple(msg.stop),
                           include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The proto's one kind of constraint; raises InvalidRequestError naming the field."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs", "set one of json, json_object, regex, choice, grammar")
+    if kind == "json":
+        return StructuredOutputs.from_schema(msg.json)
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(msg.choice.values))
+    return StructuredOutputs(**{kind: getattr(msg, kind)})
 
 
 def prompt_from_proto(request: pb.GenerateRequest, max_prompt_bytes: int) -> str | list[int]:
