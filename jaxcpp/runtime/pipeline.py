@@ -57,7 +57,7 @@ class _Submitted:
 
 
 class PipelineExecutor:
-    defers_masks = True  # `StepRequest(defer_sampling=True)` then `sample(step_id, bitmask)` (jaxcpp.structured.request)
+    defers_masks = True  # `StepRequest(defer_sampling=True)`, then `sample(step_id, bitmask)` (structured.request)
 
     def __init__(self, stages: list[Stage], trace_file: str | None = None, kv: KVSettings | None = None) -> None:
         """`kv`: this instance's part in disaggregation (its transfer server starts here), or None."""

@@ -47,7 +47,7 @@ from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.packing import unpack
 from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_history, logprobs_of, sample_step
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
-from jaxcpp.structured.request import bitmask_words
+from jaxcpp.structured.constraint import bitmask_words
 
 
 class KVCacheSettings(NamedTuple):

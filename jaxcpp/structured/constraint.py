@@ -93,3 +93,9 @@ def _validate(grammar_text: str) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.validate_grammar(grammar_text)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a constraint's token bitmask over `vocab_size` tokens (the model's, padded
+    or not): the one layout the grammar fills, the engine sends and the sampler unpacks."""
+    return (vocab_size + 31) // 32

@@ -32,8 +32,7 @@ import llguidance
 import numpy as np
 
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.structured.constraint import StructuredOutputs
-from jaxcpp.structured.request import bitmask_words
+from jaxcpp.structured.constraint import StructuredOutputs, bitmask_words
 from jaxcpp.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 COMPILE_THREADS = 2

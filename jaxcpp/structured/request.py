@@ -71,11 +71,6 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words per bitmask row over `vocab_size` tokens (the model's, padded or not)."""
-    return (vocab_size + 31) // 32
-
-
 def step_bitmask(sched: SchedulerOutput, rows: int, words: int) -> np.ndarray | None:
     """The step's allowed tokens, row i for chunk i: its grammar's mask where the chunk samples for a
     constrained request, all ones elsewhere. None when the step has no constrained row."""

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from jaxcpp.runtime.sampler import apply_bitmask, sample
-from jaxcpp.structured.constraint import StructuredOutputs
+from jaxcpp.structured.constraint import StructuredOutputs, bitmask_words
 from jaxcpp.structured.grammar import GrammarCompiler, library_tokenizer
-from jaxcpp.structured.request import bitmask_words
 from jaxcpp.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
