@@ -150,65 +150,58 @@ def mla_absorbed_xla(
 # ------------------------------------------------------------------------------------- rebuilt form
 
 
-def _rebuild_context(latent_pages: Array, pages_of_seq: Array, kv_len: Array, w_uk: Array, w_uv: Array,
-                     scale: Array, k_buf: Array, v_buf: Array, *, block_pages: int) -> tuple[Array, Array]:
-    """Per-head K [n, H, dn + dr] and V [n, H, dv] of one sequence's first `kv_len` positions, rebuilt
-    from its latent rows block by block into the buffers (positions past kv_len keep stale values:
-    the attention masks them)."""
-    rank = w_uk.shape[0]
+def _rebuild_block(latent_pages: Array, pages: Array, w_uk: Array, w_uv: Array, scale: Array) -> tuple[Array, Array]:
+    """Per-head K [n, H, dn + dr] and V [n, H, dv] of the latent rows in `pages` (fp32)."""
+    rank, num_heads = w_uk.shape[:2]
+    rows = latent_pages[pages].reshape(-1, latent_pages.shape[-1]).astype(jnp.float32) * scale
+    c, k_rope = rows[:, :rank], rows[:, rank:]
+    k_rope = jnp.broadcast_to(k_rope[:, None, :], (rows.shape[0], num_heads, k_rope.shape[-1]))
+    return (jnp.concatenate([jnp.einsum("nr,rhd->nhd", c, w_uk), k_rope], axis=-1),
+            jnp.einsum("nr,rhd->nhd", c, w_uv))
+
+
+def _rebuilt_sequence(q: Array, latent_pages: Array, pages_of_seq: Array, w_uk: Array, w_uv: Array, scale: Array,
+                      out: Array, q_start: Array, q_end: Array, kv_len: Array, *, block_q: int,
+                      block_pages: int) -> Array:
+    """One prefill sequence in the rebuilt form: KV block by KV block, each block's per-head K/V rebuilt
+    ONCE from its latent rows, then folded into the online softmax of every query block of the chunk
+    that sees any of it (the causal skip: a chunk of x after L costs about x·L + x²/2 pairs, and W·(L +
+    x) for the rebuild). No buffer grows with the context. q: [T + block_q, H, dq] fp32, scaled; rows
+    outside [q_start, q_end) keep `out`'s values."""
+    num_heads, dv = w_uv.shape[1:]
     block_tokens = block_pages * latent_pages.shape[1]
-    num_heads = w_uk.shape[1]
-
-    def rebuild_block(i: Array, bufs: tuple[Array, Array]) -> tuple[Array, Array]:
-        k_buf, v_buf = bufs
-        pages = lax.dynamic_slice_in_dim(pages_of_seq, i * block_pages, block_pages)
-        rows = latent_pages[pages].reshape(block_tokens, -1).astype(jnp.float32) * scale
-        c, k_rope = rows[:, :rank], rows[:, rank:]
-        k_nope = jnp.einsum("nr,rhd->nhd", c, w_uk)
-        k_rope = jnp.broadcast_to(k_rope[:, None, :], (block_tokens, num_heads, k_rope.shape[-1]))
-        k = jnp.concatenate([k_nope, k_rope], axis=-1)
-        v = jnp.einsum("nr,rhd->nhd", c, w_uv)
-        start = i * block_tokens
-        return (lax.dynamic_update_slice_in_dim(k_buf, k, start, axis=0),
-                lax.dynamic_update_slice_in_dim(v_buf, v, start, axis=0))
-
-    return lax.fori_loop(0, (kv_len + block_tokens - 1) // block_tokens, rebuild_block, (k_buf, v_buf))
-
-
-def _attend_chunk(q: Array, k_buf: Array, v_buf: Array, out: Array, q_start: Array, q_end: Array, kv_len: Array,
-                  *, block_q: int, block_tokens: int) -> Array:
-    """Causal attention of one sequence's queries q[q_start:q_end] (fp32, scaled, padded by block_q)
-    over its rebuilt K/V, query block by query block, each only as far as its last query sees: a chunk
-    of x tokens after L costs about x·L + x²/2 pairs. Rows outside the sequence keep `out`'s values."""
-    num_heads, dv = v_buf.shape[1:]
-    first_pos = kv_len - (q_end - q_start)
+    first_pos = kv_len - (q_end - q_start)  # position of the chunk's first token
+    num_q_blocks = (q_end - q_start + block_q - 1) // block_q
+    offsets = jnp.arange(block_q, dtype=jnp.int32)
     kv_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
+    padded = q.shape[0]
+    state = (jnp.full((padded, num_heads), MASK_VALUE, jnp.float32), jnp.zeros((padded, num_heads), jnp.float32),
+             jnp.zeros((padded, num_heads, dv), jnp.float32))
 
-    def query_block(j: Array, out: Array) -> Array:
-        t0 = q_start + j * block_q
-        qb = lax.dynamic_slice_in_dim(q, t0, block_q)  # [block_q, H, dq]
-        token = t0 + jnp.arange(block_q, dtype=jnp.int32)
-        member = token < q_end
-        visible = jnp.where(member, first_pos + token - q_start + 1, 0)  # [block_q]
+    def kv_block(i: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        k, v = _rebuild_block(latent_pages, lax.dynamic_slice_in_dim(pages_of_seq, i * block_pages, block_pages),
+                              w_uk, w_uv, scale)
+        # Query blocks before the one holding position i·block_tokens see none of this block.
+        first_block = jnp.maximum(i * block_tokens - first_pos, 0) // block_q
 
-        def kv_block(state: Any) -> Any:
-            i, m, denom, acc = state
-            k = lax.dynamic_slice_in_dim(k_buf, i * block_tokens, block_tokens)
-            v = lax.dynamic_slice_in_dim(v_buf, i * block_tokens, block_tokens)
-            scores = jnp.einsum("qhd,nhd->qhn", qb, k)
+        def query_block(j: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            t0 = q_start + j * block_q
+            take = lambda x: lax.dynamic_slice_in_dim(x, t0, block_q)  # noqa: E731
+            visible = jnp.where(t0 + offsets < q_end, first_pos + j * block_q + offsets + 1, 0)
+            scores = jnp.einsum("qhd,nhd->qhn", take(q), k)
             mask = (i * block_tokens + kv_offsets < visible[:, None])[:, None, :]
-            return (i + 1, *_online_softmax_step(m, denom, acc, scores, mask, v, "qhn,nhd->qhd"))
+            m, denom, acc = _online_softmax_step(take(state[0]), take(state[1]), take(state[2]), scores, mask, v,
+                                                 "qhn,nhd->qhd")
+            return tuple(lax.dynamic_update_slice_in_dim(x, part, t0, axis=0)  # type: ignore[return-value]
+                         for x, part in zip(state, (m, denom, acc), strict=True))
 
-        stats = (block_q, num_heads)
-        init = (jnp.int32(0), jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
-                jnp.zeros((*stats, dv), jnp.float32))
-        num_kv = (jnp.max(visible) + block_tokens - 1) // block_tokens
-        _, _, denom, acc = lax.while_loop(lambda s: s[0] < num_kv, kv_block, init)
-        new = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-        old = lax.dynamic_slice_in_dim(out, t0, block_q)
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(member[:, None, None], new, old), t0, axis=0)
+        return lax.fori_loop(first_block, num_q_blocks, query_block, state)
 
-    return lax.fori_loop(0, (q_end - q_start + block_q - 1) // block_q, query_block, out)
+    _, denom, acc = lax.fori_loop(0, (kv_len + block_tokens - 1) // block_tokens, kv_block, state)
+    new = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    rows = jnp.arange(padded, dtype=jnp.int32)
+    member = ((rows >= q_start) & (rows < q_end))[:, None, None]
+    return jnp.where(member, new, out)
 
 
 def mla_prefill_rebuilt_xla(
@@ -227,34 +220,24 @@ def mla_prefill_rebuilt_xla(
     """Prefill tokens by rebuilding: each prefill sequence's per-head K/V rebuilt once from its latent
     rows (the cached prefix and the chunk, written to the pages before this call), then ordinary causal
     attention with the value head dim dv. The sequences are visited in turn (a loop with data bounds:
-    a new mix compiles nothing); buffers are sized by the page table (max model length)."""
+    a new mix compiles nothing)."""
     check_latent_inputs(q_nope, q_rope, latent_pages, w_uk=w_uk, w_uv=w_uv)
     _check_metadata(q_nope, latent_pages, md)
     num_tokens, num_heads, _ = q_nope.shape
-    page_size = latent_pages.shape[1]
-    block_pages = max(1, kv_block_tokens // page_size)
-    block_tokens = block_pages * page_size
+    block_pages = max(1, kv_block_tokens // latent_pages.shape[1])
     block_q = max(1, min(block_q, num_tokens))
     pages_of = _pad_pages(md.page_indices, block_pages)
-    context = pages_of.shape[1] * page_size
     q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).astype(jnp.float32) * sm_scale
     q = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     scale = jnp.float32(1.0) if latent_scale is None else latent_scale.astype(jnp.float32)
     w_uk, w_uv = w_uk.astype(jnp.float32), w_uv.astype(jnp.float32)
-    k_buf = jnp.zeros((context, num_heads, q.shape[-1]), jnp.float32)
-    v_buf = jnp.zeros((context, num_heads, w_uv.shape[-1]), jnp.float32)
 
-    def one_sequence(s: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-        out, k_buf, v_buf = state
-        kv_len = md.kv_lens[s]
-        k_buf, v_buf = _rebuild_context(latent_pages, pages_of[s], kv_len, w_uk, w_uv, scale, k_buf, v_buf,
-                                        block_pages=block_pages)
-        out = _attend_chunk(q, k_buf, v_buf, out, md.cu_q_lens[s], md.cu_q_lens[s + 1], kv_len,
-                            block_q=block_q, block_tokens=block_tokens)
-        return out, k_buf, v_buf
+    def one_sequence(s: Array, out: Array) -> Array:
+        return _rebuilt_sequence(q, latent_pages, pages_of[s], w_uk, w_uv, scale, out, md.cu_q_lens[s],
+                                 md.cu_q_lens[s + 1], md.kv_lens[s], block_q=block_q, block_pages=block_pages)
 
     out = jnp.zeros((num_tokens + block_q, num_heads, w_uv.shape[-1]), jnp.float32)
-    out, _, _ = lax.fori_loop(md.num_decodes, md.num_seqs, one_sequence, (out, k_buf, v_buf))
+    out = lax.fori_loop(md.num_decodes, md.num_seqs, one_sequence, out)
     return out[:num_tokens].astype(q_nope.dtype)
 
 
