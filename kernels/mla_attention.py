@@ -374,7 +374,7 @@ def mla_absorbed_attention(
     latent_scale: jax.Array | None = None,
     *,
     sm_scale: float,
-    block_q: int = 1,  # query tokens per program
+    block_q: int | None = None,  # query tokens per program; default: enough for 16 rows (Triton's smallest dot)
     block_h: int | None = None,  # query heads per program; default all (up to 64)
     pages_per_block: int | None = None,  # KV pages per inner step; default 64 tokens' worth
     num_warps: int = 4,
@@ -390,6 +390,7 @@ def mla_absorbed_attention(
     rope_dim = q_rope.shape[-1]
     num_pages, page_size, _ = latent_pages.shape
     block_h = block_h or min(num_heads, 64)
+    block_q = block_q or max(1, 16 // block_h)
     pages_per_block = pages_per_block or max(1, 64 // page_size)
     if num_heads % block_h or rank % rope_dim:
         raise ValueError(f"block_h={block_h} must divide the {num_heads} heads (q_latent.shape={q_latent.shape}) "

@@ -189,6 +189,8 @@ def test_input_errors_name_the_shapes():
                                 sm_scale=SM_SCALE)
     with pytest.raises(ValueError, match="block_h"):
         mla_absorbed_attention(q_lat, b["q_rope"], b["pages"], b["md"], sm_scale=SM_SCALE, block_h=3, interpret=True)
+    with pytest.raises(ValueError, match="block_q \\* block_h=4 must be a power of two >= 16"):
+        mla_absorbed_attention(q_lat, b["q_rope"], b["pages"], b["md"], sm_scale=SM_SCALE, block_q=1, block_h=4)
 
 
 class KernelTests:
@@ -202,7 +204,7 @@ class KernelTests:
         b = mla_batch(*MIXES[mix], seed=13)
         args = (absorb_queries(b["q_nope"], b["w_uk"]), b["q_rope"], b["pages"], b["md"])
         reference = mla_absorbed_reference(*args, sm_scale=SM_SCALE)
-        for kw in ({}, dict(block_q=2, block_h=4, pages_per_block=2)):
+        for kw in ({}, dict(block_q=4, block_h=4, pages_per_block=2)):  # 16 rows: Triton's smallest tile
             assert max_error(self.kernel(*args, **kw), reference) < 1e-5, kw
 
     def test_bfloat16(self):
