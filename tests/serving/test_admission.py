@@ -1,7 +1,8 @@
 """The one admission path of both front ends (serving/admission.py): tokenization in one place, on one
-thread; the prompt-size refusal worded once; one registry of calls in flight; the output loop's step
+thread; the prompt-size refusal worded once; the output loop's step
 (`RequestState.take`) shared with `LLM`; one API-key check for both ports (serving/security.py).
-Around the real engine on the fake executor (no jax)."""
+Around the real engine on the fake executor (no jax). The one registry of calls in flight, and the queue
+limit over both front ends, is test_openai_api.py's `test_grpc_and_http_share_one_engine_and_one_queue`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 from jaxcpp.serving.lifecycle import ServerThread
 from jaxcpp.tokenizer import ByteTokenizer
-from tests.serving.conftest import started_stream, wait_until
 from tests.serving.fakes import fake_engine
 
 
@@ -70,16 +70,6 @@ def test_a_prompt_over_max_prompt_bytes_is_refused_in_the_same_words_by_both(
     assert status == 413 and body["error"]["param"] == "prompt"
     words = "prompt text is over --max-prompt-bytes 16 (UTF-8 bytes)"
     assert e.value.details() == f"text: {words}" and body["error"]["message"] == f"prompt: {words}"
-
-
-def test_one_registry_holds_the_calls_of_both_front_ends(serve: Callable[..., ServerThread]) -> None:
-    server = serve(fake_engine())
-    with Client(f"127.0.0.1:{server.port}", timeout=30) as client:
-        stream = started_stream(client)
-        admission = server.server.admission
-        assert server.server.num_in_flight == admission.num_in_flight == 1
-        stream.close()  # type: ignore[attr-defined]  # leaving the loop cancels the call
-        wait_until(lambda: admission.num_in_flight == 0)
 
 
 def test_take_aborts_a_sample_a_stop_string_ended_while_the_engine_runs_it() -> None:
