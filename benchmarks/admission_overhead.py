@@ -78,7 +78,7 @@ async def _inline(engine: _NoEngine, outputs: list[RequestOutput]) -> float:
 async def main(args: argparse.Namespace) -> None:
     engine = _NoEngine()
     admission = Admission(ServerConfig(port=0), ServingMetrics())
-    admission._engine = engine  # type: ignore[assignment]  # the loop reaches only `abort`
+    admission._engine = engine  # the loop reaches only `abort`
     admission.tokenizer = ByteTokenizer()
     outputs = _outputs(args.outputs)
     shared, inline = [], []
