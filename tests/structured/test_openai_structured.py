@@ -19,7 +19,7 @@ from jaxcpp.errors import InvalidRequestError
 from jaxcpp.serving.chat_template import ChatTemplate
 from jaxcpp.serving.client import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 from jaxcpp.serving.tool_calls import ToolCalling
 from tests.serving.conftest import wait_until
 
