@@ -206,7 +206,7 @@ def test_tools_and_tool_messages_reach_the_template(client, server) -> None:
     rendered = ChatTemplate(TEMPLATE, {}).render(
         [*USER, {"role": "assistant", "tool_calls": [{**call, "function": {"name": "get_weather", "arguments": {
             "city": "Oslo", "days": 2}}}]}, {"role": "tool", "tool_call_id": "call_1", "content": "rain"}],
-        tools=[WEATHER])
+        True, {"tools": [WEATHER]})
     assert "### tools\nget_weather" in rendered and "<tool_response>call_1:rain" in rendered
     assert out.usage.prompt_tokens == len(rendered.encode())  # exactly that text (byte tokens)
     assert out.choices[0].message.tool_calls is None  # "none": content only
