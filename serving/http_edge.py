@@ -61,8 +61,11 @@ async def listen(app: Callable[[Scope, Receive, Send], Awaitable[None]], cfg: Se
     sock.listen(2048)
     sock.setblocking(False)
     limits = EdgeLimits(cfg.max_message_bytes, cfg.max_header_bytes, cfg.http_read_timeout_s, api_key)
-    server_config = uvicorn.Config(EdgeMiddleware(app, limits), log_level="warning", lifespan="off",
-                                   access_log=False, timeout_graceful_shutdown=1,
+    # log_config=None: uvicorn's default reconfigures the whole process's logging (logging.config.dictConfig
+    # closes every handler that exists, absl's among them, which closes its stream when that is no longer
+    # sys.stderr: a test's captured stderr, under pytest). Its loggers reach the root logger the program set.
+    server_config = uvicorn.Config(EdgeMiddleware(app, limits), log_level="warning", log_config=None,
+                                   lifespan="off", access_log=False, timeout_graceful_shutdown=1,
                                    http=edge_protocol(limits), **uvicorn_tls(cfg))
     server = _Uvicorn(server_config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
