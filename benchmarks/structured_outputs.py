@@ -1,6 +1,7 @@
 """What a constrained stream costs against a free one, offline on the bundled tiny model (CPU).
 
     .venv/bin/python benchmarks/structured_outputs.py [--rounds 3] [--tokens 64]
+    .venv/bin/python benchmarks/structured_outputs.py --pairs 20 [--random-hidden 512 --random-layers 8]
 
 Scenarios, each run `--rounds` times, interleaved (A/B on a loaded machine):
     alone      1 free stream; 1 constrained stream (a JSON schema whose string runs past max_tokens)
@@ -12,6 +13,12 @@ host time of the step's mask fill (`step_bitmask`, the engine's "mask" phase) pe
 grammar compile of a large schema (200 properties, nested objects, enums, bounded arrays): the first
 request's (a build in the pool), and a second request's (the cache's copy). Last, the sampler program alone
 at real vocabularies: without a mask and with the all-ones mask every free step now carries.
+
+`--pairs N` runs only the ITL comparison, as N back-to-back pairs per scenario (a free run and a
+constrained run, which first alternating), and prints the median, interquartile range and range of
+the pairs' ratios, and per step: the mask fill, the deferred draw's dispatch (the executor's `sample`)
+and the engine's host phases (the `--trace-file` ones). `--random-hidden W` runs it on a random Llama
+(byte vocabulary, `--random-layers` layers) whose step costs more than the host's work per step.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -32,24 +40,48 @@ LONG_STRING = StructuredOutputs.from_schema({"type": "object", "properties": {"t
                                              "required": ["text"]})
 
 
-class MaskTimer:
-    """Wraps the engine's step_bitmask: the host seconds of every step's mask fill."""
+class Probe:
+    """Wraps the engine's mask fill (`step_bitmask`), the executor's deferred draw (`sample`) and its
+    host phases (the `--trace-file` ones: schedule, build, mask, dispatch, wait, postprocess) for one run."""
 
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.engine = engine
+        self.mask: list[float] = []
+        self.draw: list[float] = []
+        self.phases: dict[str, float] = defaultdict(float)
         self._fill = engine_module.step_bitmask
+        engine_module.step_bitmask = self._timed(self._fill, self.mask, skip_none=True)
+        executor = engine.executor
+        self._record, self._sample = executor.record_host_phases, getattr(executor, "sample", None)
+        executor.record_host_phases = self._phases
+        if self._sample is not None:
+            executor.sample = self._timed(self._sample, self.draw)
 
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
-        start = time.perf_counter()
-        out = self._fill(*args, **kwargs)
-        if out is not None:
-            self.seconds.append(time.perf_counter() - start)
-        return out
+    @staticmethod
+    def _timed(fn, into: list[float], skip_none: bool = False):  # noqa: ANN001, ANN205
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if not (skip_none and out is None):
+                into.append(time.perf_counter() - start)
+            return out
+        return call
+
+    def _phases(self, phases) -> None:  # noqa: ANN001
+        for phase in phases:
+            self.phases[phase.name] += phase.end - phase.start
+        self._record(phases)
+
+    def close(self) -> None:
+        engine_module.step_bitmask = self._fill
+        del self.engine.executor.record_host_phases
+        if self._sample is not None:
+            del self.engine.executor.sample
 
 
 def run(llm: LLM, constrained: int, free: int, tokens: int) -> dict[str, float]:
-    engine, timer = llm.engine, MaskTimer()
-    engine_module.step_bitmask = timer
+    engine = llm.engine
+    probe = Probe(engine)
     arrivals: dict[str, list[float]] = defaultdict(list)
     for i in range(constrained + free):
         so = LONG_STRING if i < constrained else None
@@ -61,11 +93,53 @@ def run(llm: LLM, constrained: int, free: int, tokens: int) -> dict[str, float]:
         for out in engine.step():
             arrivals[out.request_id].extend([time.perf_counter()] * len(out.new_token_ids))
         steps.append(time.perf_counter() - start)
-    engine_module.step_bitmask = timer._fill
+    probe.close()
     itl = {kind: [b - a for rid, t in arrivals.items() if rid[0] == kind for a, b in zip(t, t[1:], strict=False)]
            for kind in "cf"}
+    per_step = {f"{name}_per_step_ms": total * 1e3 / len(steps) for name, total in probe.phases.items()}
     return {"itl_constrained_ms": _median_ms(itl["c"]), "itl_free_ms": _median_ms(itl["f"]),
-            "step_ms": _median_ms(steps), "mask_ms": _median_ms(timer.seconds)}
+            "step_ms": _median_ms(steps), "mask_ms": _median_ms(probe.mask), "draw_ms": _median_ms(probe.draw),
+            "steps": len(steps), **per_step}
+
+
+def pairs(llm: LLM, n: int, tokens: int) -> None:
+    """Back-to-back pairs of a free and a constrained run (order alternating pair by pair), alone and in
+    a batch of 32 (32 free against 1 constrained + 31 free and against 32 constrained): the ratio of
+    each pair's ITL medians, then the median and interquartile range of the ratios."""
+    scenarios = {"alone": ((0, 1), (1, 0), "itl_constrained_ms"),
+                 "batch 32, 1 constrained + 31 free": ((0, 32), (1, 31), "itl_constrained_ms"),
+                 "batch 32, 32 constrained": ((0, 32), (32, 0), "itl_constrained_ms")}
+    ratios: dict[str, list[float]] = defaultdict(list)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
+    loads = []
+    for i in range(n):
+        loads.append(os.getloadavg()[0])
+        for name, (free, constrained, key) in scenarios.items():
+            order = [("free", free), ("constrained", constrained)]
+            got = dict((kind, run(llm, *cf, tokens)) for kind, cf in (order if i % 2 == 0 else order[::-1]))
+            ratios[name].append(got["constrained"][key] / got["free"]["itl_free_ms"])
+            for kind, r in got.items():
+                runs[name][kind].append(r)
+    print(f"pairs: {n}, {tokens} tokens a stream, load {min(loads):.1f}-{max(loads):.1f} (1 min), "
+          f"{os.cpu_count()} cores")
+    print(f"{'scenario':36} {'ITL free':>9} {'ITL constr.':>11} {'pair ratio':>10} {'IQR':>13} {'range':>13}")
+    for name, rs in ratios.items():
+        q1, med, q3 = statistics.quantiles(rs, n=4) if len(rs) > 1 else (rs[0],) * 3
+        free = statistics.median(r["itl_free_ms"] for r in runs[name]["free"])
+        constrained = statistics.median(r[scenarios[name][2]] for r in runs[name]["constrained"])
+        print(f"{name:36} {free:6.2f} ms {constrained:8.2f} ms {statistics.median(rs):9.2f}x "
+              f"{q1:5.2f}-{q3:.2f}x {min(rs):5.2f}-{max(rs):.2f}x")
+    print("per step (medians over runs): step, mask fill per fill, deferred draw dispatch, host phases (ms/step)")
+    for name in scenarios:
+        for kind in ("free", "constrained"):
+            rs = runs[name][kind]
+            keys = sorted({k for r in rs for k in r if k.endswith("_per_step_ms")})
+            med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in
+                   ["step_ms", "mask_ms", "draw_ms", "steps", *keys]}
+            phases = " ".join(f"{k.removesuffix('_per_step_ms')} {v:.3f}" for k, v in med.items()
+                              if k.endswith("_per_step_ms"))
+            print(f"  {name:34} {kind:11} step {med['step_ms']:.2f} mask {med['mask_ms']:.3f} "
+                  f"draw {med['draw_ms']:.3f} steps {med['steps']:.0f} | {phases}")
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -126,17 +200,53 @@ def sampler_mask_cost(vocab: int, rows: int, temperature: float, calls: int = 30
     return _median_ms(times["plain"][5:]), _median_ms(times["masked"][5:])
 
 
+def random_llama(hidden: int, layers: int) -> str:
+    """A random Llama on the byte tokenizer's vocabulary (so the grammars match), in a temporary folder."""
+    import tempfile
+
+    import jax
+
+    from jaxcpp.models.checkpoint import save_hf
+    from jaxcpp.models.config import LlamaConfig
+    from jaxcpp.models.llama import init_params
+    from jaxcpp.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    config = LlamaConfig(vocab_size=264, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 32, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_ids=tokenizer.eos_token_ids)
+    folder = tempfile.mkdtemp(prefix="structured_outputs_llama_")
+    save_hf(folder, init_params(config, jax.random.key(0)), config)
+    tokenizer.save(folder)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--sync-baseline", action="store_true", help="also free streams with async scheduling off")
     parser.add_argument("--sampler-only", action="store_true", help="only the sampler's mask cost")
+    parser.add_argument("--pairs", type=int, default=0, help="only N back-to-back free/constrained pairs")
+    parser.add_argument("--random-hidden", type=int, default=0,
+                        help="a random Llama of this width (byte vocabulary) instead of the tiny model")
+    parser.add_argument("--random-layers", type=int, default=8)
     args = parser.parse_args()
     if args.sampler_only:
         return print_sampler_mask_cost()
-    llm = LLM("tiny", dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
+    model = random_llama(args.random_hidden, args.random_layers) if args.random_hidden else "tiny"
+    llm = LLM(model, dtype="float32", max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256,
               log_stats_interval_s=0)
+    if args.pairs:
+        run(llm, 1, 1, 8)  # warm: the grammar pool, the tokenizer, the programs
+        run(llm, 0, 32, 8)
+        run(llm, 32, 0, 8)
+        pairs(llm, args.pairs, args.tokens)
+        llm.engine.close()
+        if model != "tiny":
+            shutil.rmtree(model)  # the random Llama's weights (hundreds of MB)
+        return None
     scenarios = {"alone free": (0, 1), "alone constrained": (1, 0), "batch 32 free": (0, 32),
                  "batch 32, 1 constrained": (1, 31), "batch 32 constrained": (32, 0)}
     if args.sync_baseline:  # what a step costs without async scheduling's overlap, for comparison
@@ -153,7 +263,8 @@ def main() -> None:
     print(f"load: {os.getloadavg()[0]:.1f} (1 min), {os.cpu_count()} cores; {args.rounds} rounds, {args.tokens} tokens")
     print(f"{'scenario':28} {'ITL constrained':>16} {'ITL free':>10} {'step':>8} {'mask fill':>10}")
     for name, runs in results.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        keys = ("itl_constrained_ms", "itl_free_ms", "step_ms", "mask_ms")
+        med = {k: statistics.median(r[k] for r in runs) for k in keys}
         print(f"{name:28} {med['itl_constrained_ms']:13.2f} ms {med['itl_free_ms']:7.2f} ms "
               f"{med['step_ms']:5.2f} ms {med['mask_ms']:7.3f} ms")
     checked, first, cached = compile_times(llm)
