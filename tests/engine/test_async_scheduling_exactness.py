@@ -34,9 +34,9 @@ def run(llm):
     engine, feedbacks = llm.engine, []
     submit = engine.executor.submit
 
-    def counting(step_id, step, **flags):
-        feedbacks.append(flags.get("feedback_from") is not None)
-        return submit(step_id, step, **flags)
+    def counting(request):
+        feedbacks.append(request.feedback_from is not None)
+        return submit(request)
 
     engine.executor.submit = counting
     done, step = {}, 0
