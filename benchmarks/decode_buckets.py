@@ -42,9 +42,9 @@ def run_once(llm, prompts: list[list[int]], params: list) -> tuple[float, dict[s
     shapes: dict[int, tuple[int, int]] = {}
     submit = executor.submit
 
-    def recording(step_id, step, *a, **kw):  # type: ignore[no-untyped-def]
-        shapes[step_id] = (int(step.num_seqs), int(step.num_decodes))
-        return submit(step_id, step, *a, **kw)
+    def recording(request):  # type: ignore[no-untyped-def]
+        shapes[request.step_id] = (int(request.step.num_seqs), int(request.step.num_decodes))
+        return submit(request)
 
     executor.submit = recording
     t0 = time.perf_counter()

@@ -46,10 +46,11 @@ def record_step_tokens(llm) -> list[tuple[int, int, bool]]:
     steps: list[tuple[int, int, bool]] = []
     submit = llm.engine.executor.submit
 
-    def recording_submit(step_id, step, *a, **kw):
+    def recording_submit(request):
+        step = request.step
         decode_only = int(step.num_decodes) == int(step.num_seqs)
         steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded, decode_only))  # padding repeats the end
-        return submit(step_id, step, *a, **kw)
+        return submit(request)
 
     llm.engine.executor.submit = recording_submit
     return steps

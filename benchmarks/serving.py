@@ -453,6 +453,7 @@ def cmd_frontends(args: argparse.Namespace) -> int:
         for concurrency in args.concurrencies:
             pooled: dict[str, list[dict[str, Any]]] = {"grpc": [], "openai": []}
             engine_ttft: dict[str, list[float]] = {"grpc": [], "openai": []}
+            tput: dict[str, list[float]] = {"grpc": [], "openai": []}
             for _ in range(args.rounds):
                 for backend in ("grpc", "openai"):
                     run_args = argparse.Namespace(**{**vars(args), "backend": backend,
@@ -464,12 +465,15 @@ def cmd_frontends(args: argparse.Namespace) -> int:
                     after = _engine_ttft(server.http_url)
                     engine_ttft[backend].append((after[0] - before[0]) / max(after[1] - before[1], 1))
                     pooled[backend] += result["requests"]
+                    tput[backend].append(result["summary"]["output_throughput"])
                     print(f"c={concurrency} {backend:<6} ITL p50 {result['summary']['itl_ms']['median']:.2f} ms  "
-                          f"TTFT p50 {result['summary']['ttft_ms']['median']:.1f} ms", flush=True)
+                          f"TTFT p50 {result['summary']['ttft_ms']['median']:.1f} ms  "
+                          f"{result['summary']['output_throughput']:.0f} tok/s", flush=True)
             for backend, requests in pooled.items():
                 summary = summarize([RequestResult(**r) for r in requests], 1.0, [99], {})
                 rows.append({"concurrency": concurrency, "backend": backend, "summary": summary,
                              "engine_ttft_ms": 1e3 * float(np.mean(engine_ttft[backend])),
+                             "output_throughput_each": tput[backend],
                              "ttft_ms_each": [round(r["ttft"] * 1e3, 2) for r in requests]})
     finally:
         server.stop()

@@ -23,7 +23,7 @@ from jaxcpp.config import ServerConfig
 from jaxcpp.serving import Client
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 
 SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 
@@ -97,7 +97,7 @@ def main() -> None:
                 stop.set()
                 for channel in stuck:
                     channel.close()
-            backlog = server.server.servicer.max_stream_backlog
+            backlog = server.server.admission.max_stream_backlog
         a, b = statistics.median(alone), statistics.median(beside)
         rows.append(dict(max_stream_buffer=limit, alone_tok_s=[round(x, 1) for x in alone],
                          with_stuck_tok_s=[round(x, 1) for x in beside], median_ratio=round(b / a, 3),

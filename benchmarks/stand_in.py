@@ -7,7 +7,11 @@ code; only each forward is a wall-clock wait of a known per-stage latency model.
 
 Model: Kimi-K2.5-like per stage, a = 0.572 / (32768^2 + 18500 * 32768) s, b = 18500 a, c = 5 ms,
 gamma = 1630 a, every term times --scale (the runs are shorter by that factor; ratios do not change).
-Budget 32K, min chunk 4096, page size 64, no prefix cache.
+Budget 32K, min chunk 4096, page size 64, no prefix cache. `--shape deepseek-v3`: instead the PP 4 stage
+of a DeepSeek-V3-shaped model with γ and a counted from its FLOPs (benchmarks/simulate_mla_chunking.py:
+a = 5.96e-10, b = 6.96e-6, c = 20 ms, γ = 4.88e-7 s, or γ = R·a with --gamma-over-a R), times --scale,
+for every PP. `--gamma-zero` adds lone rows of the calibrated engine planning with the fit calibration
+would install if it could not see γ (simulate_mla_chunking.gamma_zero_fit of the installed model).
 
     lone         for each PP: one engine with dynamic chunking, calibrated from its stage processes'
                  runtime timings (the log lines are printed), then lone prompts of each length under
@@ -38,9 +42,14 @@ PAGE = 64
 FIXED = (8192, 16384, 32768)
 
 
-def true_model(scale: float):  # type: ignore[no-untyped-def]
+def true_model(scale: float, shape: str = "kimi", gamma_over_a: float | None = None):  # type: ignore[no-untyped-def]
     from jaxcpp.chunking.latency_model import LatencyModel
 
+    if shape == "deepseek-v3":  # the PP 4 stage of benchmarks/simulate_mla_chunking.py: γ, a from V3's FLOPs
+        sys.path.insert(0, str(Path(__file__).parent))
+        from simulate_mla_chunking import true_model as v3_stage
+
+        return v3_stage(4, gamma_over_a).scaled(scale)
     a = 0.572 / (32768**2 + 18500 * 32768) * scale
     return LatencyModel(a=a, b=18500 * a, c=0.005 * scale, gamma=1630 * a)
 
@@ -63,7 +72,7 @@ def write_model(folder: Path, max_len: int) -> str:
 def engine(args: argparse.Namespace, pp: int, budget: int, concurrency: int = 1, **kw: object):  # type: ignore[no-untyped-def]
     from jaxcpp import LLM
 
-    m = true_model(args.scale)
+    m = true_model(args.scale, args.shape, args.gamma_over_a)
     longest = max(args.lens)
     pages = concurrency * -(-(longest + 64) // PAGE) + 1
     return LLM(model=args.model, pipeline_parallel_size=pp, distributed_executor_backend="mp",
@@ -107,7 +116,7 @@ def calibrate(llm, args: argparse.Namespace):  # type: ignore[no-untyped-def]
             break
         run_prompts(llm, [prompt(BUDGET * 2 + 4096 * i, 1000 + i)])
     print(f"    calibration: {ctl.state}; installed {ctl.describe_model()}; "
-          f"true {true_model(args.scale).describe()}", flush=True)
+          f"true {true_model(args.scale, args.shape, args.gamma_over_a).describe()}", flush=True)
     if ctl.model is None:
         llm.engine.close()
         raise SystemExit(f"calibration did not install a model: {ctl.calibrator.rejections[-3:]}")
@@ -115,7 +124,7 @@ def calibrate(llm, args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def lone_rows(args: argparse.Namespace, pp: int) -> list[dict]:
-    true, rows = true_model(args.scale), []
+    true, rows = true_model(args.scale, args.shape, args.gamma_over_a), []
     dyn = engine(args, pp, BUDGET, enable_dynamic_chunking=True, dynamic_chunking_min_chunk_size=4096)
     model = calibrate(dyn, args)
     for policy in ("equal-latency", "optimal"):
@@ -124,6 +133,16 @@ def lone_rows(args: argparse.Namespace, pp: int) -> list[dict]:
             rows.append(measure(dyn, policy, n, pp, model, true, args))
             if args.png and pp == 4 and n == args.lens[0] and policy == "optimal":
                 plot(dyn, rows[-1], model, pp, args)
+    if args.gamma_zero:  # the same engine's planners fed what calibration installs when it cannot see γ
+        sys.path.insert(0, str(Path(__file__).parent))
+        from simulate_mla_chunking import gamma_zero_fit
+
+        for policy in ("equal-latency", "optimal"):
+            dyn.engine.chunking.policy = policy
+            for n in args.lens:
+                fit0 = gamma_zero_fit(model, n)
+                dyn.engine.chunking.install(fit0)
+                rows.append(measure(dyn, f"{policy} γ=0 fit", n, pp, fit0, true, args))
     dyn.engine.close()
     for budget in FIXED:
         llm = engine(args, pp, budget)
@@ -204,7 +223,13 @@ def main() -> None:
     parser.add_argument("--part", default=None)
     parser.add_argument("--model", default=None)
     parser.add_argument("--scale", type=float, default=0.5)
+    parser.add_argument("--shape", choices=("kimi", "deepseek-v3"), default="kimi",
+                        help="the stand-in's model: Kimi-K2.5-like (above) or DeepSeek-V3's PP 4 stage with γ and a "
+                             "from its FLOPs (benchmarks/simulate_mla_chunking.py)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--gamma-over-a", type=float, default=None, help="with --shape deepseek-v3: γ = this x a")
+    parser.add_argument("--gamma-zero", action="store_true", help="also run the calibrated engine's planners "
+                        "on the fit calibration would install without the L column (γ = 0)")
     parser.add_argument("--pp", default="2,4,8")
     parser.add_argument("--lens", default="131072,262144")
     parser.add_argument("--only", default="lone,concurrency")
@@ -220,7 +245,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(rows))
         return
     print(f"# stand-in device benchmark: {os.cpu_count()} cores, load {os.getloadavg()}, times x{args.scale}, "
-          f"true model {true_model(args.scale).describe()}", flush=True)
+          f"true model {true_model(args.scale, args.shape, args.gamma_over_a).describe()}", flush=True)
     args.model = write_model(Path(tempfile.mkdtemp(prefix="jaxcpp_stand_in_")), max(args.lens) + 64)
     results: dict[str, list[dict]] = {}
     rows_file = Path(tempfile.mkdtemp(prefix="jaxcpp_stand_in_rows_")) / "rows.json"
@@ -228,6 +253,8 @@ def main() -> None:
         for pp in pps if part == "lone" else [4 if 4 in pps else max(pps)]:
             start = time.perf_counter()
             cmd = [sys.executable, __file__, "--part", part, "--model", args.model, "--scale", str(args.scale),
+                   "--shape", args.shape, *(["--gamma-zero"] if args.gamma_zero else []),
+                   *(["--gamma-over-a", str(args.gamma_over_a)] if args.gamma_over_a else []),
                    "--reps", str(args.reps), "--pp", str(pp), "--lens", ",".join(map(str, args.lens)),
                    "--out", str(rows_file)]
             if args.png:

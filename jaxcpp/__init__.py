@@ -6,13 +6,14 @@ The public offline API (`LLM`, `SamplingParams`) is imported lazily so that host
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "StructuredOutputs"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from jaxcpp.core.outputs import RequestOutput
     from jaxcpp.llm import LLM
     from jaxcpp.sampling_params import SamplingParams
+    from jaxcpp.structured.constraint import StructuredOutputs
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from jaxcpp.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from jaxcpp.structured.constraint import StructuredOutputs
+
+        return StructuredOutputs
     if name == "RequestOutput":
         from jaxcpp.core.outputs import RequestOutput
 

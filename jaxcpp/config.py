@@ -396,6 +396,10 @@ class ServerConfig:
                                         "(default: --model as given)")
     chat_template: str | None = opt(None, "jinja2 chat template for /v1/chat/completions: a file, or the "
                                     "template itself (default: the model's tokenizer_config.json)")
+    enable_auto_tool_choice: bool = opt(False, 'let chat requests use tool_choice "auto" (the model decides; '
+                                        "calls parsed from its text by --tool-call-parser)")
+    tool_call_parser: str | None = opt(None, "how tool calls are parsed from generated text for tool_choice "
+                                       '"auto": hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>)')
     metrics_port: int | None = opt(None, "serve Prometheus metrics on this port (the HTTP API serves them "
                                    "at /metrics too)")
     max_queue_size: int = opt(256, "calls waiting or running, both APIs together, before RESOURCE_EXHAUSTED "
@@ -433,6 +437,10 @@ class ServerConfig:
         _require(self.max_header_bytes >= 1024, "max_header_bytes", "must be >= 1024")
         _require(self.http_read_timeout_s > 0, "http_read_timeout_s", "must be > 0")
         _require(self.shutdown_grace_s >= 0, "shutdown_grace_s", "must be >= 0")
+        _require(self.tool_call_parser in (None, "hermes"), "tool_call_parser",
+                 f"must be hermes, got {self.tool_call_parser!r}")
+        _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
+                 "needs --tool-call-parser")
         _require((self.tls_cert is None) == (self.tls_key is None), "tls_cert",
                  "--tls-cert and --tls-key must be given together")
         _require(self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca",

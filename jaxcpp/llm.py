@@ -16,7 +16,7 @@ from jaxcpp.core.engine import LLMEngine
 from jaxcpp.core.executor import Executor
 from jaxcpp.core.outputs import RequestOutput
 from jaxcpp.logs import show_startup_progress
-from jaxcpp.output_processor import RequestState, SampleStream, needs_abort
+from jaxcpp.output_processor import RequestState, SampleStream
 from jaxcpp.sampling_params import SamplingParams
 
 
@@ -69,9 +69,7 @@ class LLM:
         while len(finished) < len(by_engine_id) or self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 request = by_engine_id[out.request_id]
-                delta = request.process(out)
-                if needs_abort(out, delta):  # a stop string: the engine's abort output is ignored
-                    self.engine.abort_request(out.request_id, "stop")
+                delta = request.take(out, self.engine.abort_request)  # a stop string's abort output is ignored
                 if delta is not None and delta.finished:
                     finished[out.request_id] = _final(out, request.samples[out.request_id], request.prompt_output)
         return [_grouped([finished[rid] for rid, _ in r.engine_requests]) for r in requests]

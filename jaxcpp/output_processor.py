@@ -10,6 +10,8 @@ asyncio loop; in `LLM`, between steps):
                                   a stop string ends the sample here (its text cut before the string
                                   unless include_stop_str_in_output); the caller then aborts the engine
                                   request, and anything the engine still sends is ignored
+    RequestState.take(out, abort) the output loop's step, written once for LLM, gRPC and HTTP: the
+                                  delta, and the abort of a sample a stop string ended
 
 Streaming holds back the last len(longest stop string) - 1 characters of text until it is known that
 they do not begin a stop string (as vLLM does), so no client ever sees part of a stop string.
@@ -17,6 +19,7 @@ they do not begin a stop string (as vLLM does), so no client ever sees part of a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxcpp.core.outputs import RequestOutput, TokenLogprobs
@@ -133,6 +136,14 @@ class RequestState:
         if self.prompt_output is None:
             self.prompt_output = out
         return self.samples[out.request_id].process(out)
+
+    def take(self, out: RequestOutput, abort: Callable[[str, str], None]) -> SampleDelta | None:
+        """The output loop's one step, for LLM, gRPC and HTTP alike: `out`'s delta, and when the delta
+        finished its sample while the engine still runs it (a stop string), `abort(request_id, "stop")`."""
+        delta = self.process(out)
+        if needs_abort(out, delta):
+            abort(out.request_id, "stop")
+        return delta
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,8 @@ the field. Names and defaults follow vLLM's `SamplingParams`. What runs where:
                                             top_k, top_p, the draw, logprobs and top logprobs
     in the engine (jaxcpp.core.scheduler)        max_tokens, stop_token_ids, ignore_eos, min_tokens
     at the edge (jaxcpp.output_processor)   n (one engine request per sample), stop strings, text
+    on the host and the device               structured_outputs: the grammar's bitmask, filled on the host
+                                            (jaxcpp.structured), applied by the sampler before the draw
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from jaxcpp.errors import InvalidRequestError
+from jaxcpp.structured.constraint import StructuredOutputs
 
 MAX_LOGPROBS = 20   # top log-probabilities the device computes per token (OpenAI's top_logprobs limit)
 MAX_N = 128         # samples of one prompt
@@ -46,6 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None           # log-probability of each sampled token and its top-k (0: none)
     prompt_logprobs: int | None = None    # the same for every prompt token but the first
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to obey
 
     def __post_init__(self) -> None:
         self._check_limits()
@@ -92,6 +96,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _integer(name, value, 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidRequestError("structured_outputs", f"must be a StructuredOutputs, got "
+                                      f"{type(self.structured_outputs).__name__}")
 
     @property
     def has_penalties(self) -> bool:

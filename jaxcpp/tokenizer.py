@@ -114,6 +114,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizer.json` text (what the grammar library builds its own from)."""
+        return str(self._tok.to_str())
+
 
 class IncrementalDetokenizer:
     """Feed generated ids one step at a time; get back only the text that is complete so far.

@@ -67,13 +67,22 @@ def load_chat_template(folder: Path, override: str | None) -> ChatTemplate | Non
     config = _tokenizer_config(folder)
     special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
     if override is not None:
-        path = Path(override)
-        return ChatTemplate(path.read_text(encoding="utf-8") if path.is_file() else override, special)
+        return ChatTemplate(_file_or_text(override), special)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default") or next(iter(named.values()), None)
     return ChatTemplate(source, special) if isinstance(source, str) and source else None
+
+
+def _file_or_text(override: str) -> str:
+    """The file's text, or `override` itself: a template longer than a file name can be is text (a path
+    check on it fails with ENAMETOOLONG rather than saying False)."""
+    try:
+        path = Path(override)
+        return path.read_text(encoding="utf-8") if path.is_file() else override
+    except OSError:
+        return override
 
 
 def _tokenizer_config(folder: Path) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def command_line_key_warning(args: argparse.Namespace) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from jaxcpp.serving.server import Server, serve
+    from jaxcpp.serving.lifecycle import Server, serve
 
     configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)

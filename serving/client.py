@@ -130,9 +130,11 @@ class ServerStats:
 
 def build_request(prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                  seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                  ignore_eos: bool = False) -> pb.GenerateRequest:
-    sampling = pb.SamplingParameters(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                  seed: int | None = None, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                  structured_outputs: pb.StructuredOutputs | None = None) -> pb.GenerateRequest:
+    """`structured_outputs`: e.g. pb.StructuredOutputs(json=json.dumps(schema)) or (regex=...)."""
+    sampling = pb.SamplingParameters(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                     structured_outputs=structured_outputs)
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
                         ("top_p", top_p), ("seed", seed)):
         if value is not None:

@@ -9,7 +9,6 @@ loop sleeps on the command queue.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -61,55 +60,6 @@ class _Command:
             self.future.set_result(self.fn())
         except BaseException as exc:  # noqa: B036 - handed to the caller through the future
             self.future.set_exception(exc)
-
-
-class OutputStream:
-    """One client call's engine outputs, queued on its asyncio loop until the handler sends them.
-
-    `sink()` is what the engine thread calls (it posts to the loop). Past `limit` queued outputs per
-    engine request (each sample of each prompt: a call of 1,000 prompts or n = 64 gets 1,000 or 64
-    times the room, as its outputs come that many at a time) the client is not reading: the stream
-    stalls and `on_stalled` aborts its requests. What a stalled reader holds is so bounded by the
-    work its call asked for, which the engine holds anyway (each request's tokens)."""
-
-    def __init__(self, request_id: str, limit: int, on_stalled: Callable[[OutputStream], None],
-                 context: Any = None) -> None:
-        self.request_id = request_id
-        self.engine_request_ids = [request_id]  # one per sample
-        self.context = context                  # the front end's handle on the call
-        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.stalled = False
-        self.max_backlog = 0
-        self.end_task: asyncio.Future[None] | None = None
-        self.handler_task = asyncio.current_task()  # created inside the handler
-        self._loop = asyncio.get_running_loop()
-        self._limit = limit
-        self._on_stalled = on_stalled
-
-    def sink(self) -> Sink:
-        def post(out: RequestOutput | BaseException) -> None:  # engine thread
-            self._loop.call_soon_threadsafe(self.deliver, out)
-
-        return post
-
-    def deliver(self, out: RequestOutput | BaseException) -> None:  # asyncio loop
-        if self.stalled:
-            return
-        self.outputs.put_nowait(out)
-        self.max_backlog = max(self.max_backlog, self.outputs.qsize())
-        if self.outputs.qsize() > self.limit:
-            self.stalled = True
-            self._on_stalled(self)
-
-    @property
-    def limit(self) -> int:
-        """Outputs this call may have queued: `--max-stream-buffer` per engine request."""
-        return self._limit * max(1, len(self.engine_request_ids))
-
-    def abort(self, engine: EngineLoop) -> None:
-        """Abort every sample's engine request (finished ones: no-op): the pages are freed before the next step."""
-        for request_id in self.engine_request_ids:
-            engine.abort(request_id)
 
 
 class EngineFailedError(RuntimeError):

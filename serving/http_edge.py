@@ -15,21 +15,28 @@ In this order, for every connection and request:
 Then FastAPI parses the JSON (a body that is not JSON is a 400 error object, `openai_server`) and the
 route validates the fields. The head is counted in uvicorn's own protocol (`EdgeProtocol`, a subclass
 of its httptools one: uvicorn has no header size, count or header timeout for it); the rest is a
-plain ASGI middleware (`EdgeMiddleware`). Every answer here is an OpenAI error object.
+plain ASGI middleware (`EdgeMiddleware`). Every answer here is an OpenAI error object. `listen` binds
+the port and serves an app behind both; `sse` frames a stream as server-sent events, and
+`until_disconnected` cancels a blocking call's work when its client goes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
+from starlette.requests import Request
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from jaxcpp.config import ServerConfig
 from jaxcpp.serving.openai_protocol import OpenAIError
+from jaxcpp.serving.security import bearer_matches, uvicorn_tls
 
 MAX_HEADERS = 128  # header lines in one request (nginx and h11 allow about 100)
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/docs", "/openapi.json"})
@@ -39,6 +46,40 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+async def listen(app: Callable[[Scope, Receive, Send], Awaitable[None]], cfg: ServerConfig,
+                 api_key: str | None) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
+    """Serve `app` behind this edge on `--host`/`--http-port` (TLS when configured), on the running loop;
+    returns the uvicorn server, its task and the bound port once it listens."""
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP. Without it a
+    # stream's first chunk waits behind its headers for the client's delayed ACK (Nagle: ~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.http_port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    limits = EdgeLimits(cfg.max_message_bytes, cfg.max_header_bytes, cfg.http_read_timeout_s, api_key)
+    server_config = uvicorn.Config(EdgeMiddleware(app, limits), log_level="warning", lifespan="off",
+                                   access_log=False, timeout_graceful_shutdown=1,
+                                   http=edge_protocol(limits), **uvicorn_tls(cfg))
+    server = _Uvicorn(server_config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.005)
+    if task.done():
+        task.result()  # raises what stopped it
+    return server, task, int(sock.getsockname()[1])
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: SIGTERM belongs to `jaxcpp.serving.lifecycle.serve`, which drains
+    both front ends."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 @dataclass(frozen=True)
@@ -192,10 +233,7 @@ class EdgeMiddleware:
 
 
 def _authorized(headers: dict[bytes, bytes], key: str) -> bool:
-    """`Authorization: Bearer <key>`, the scheme in any case (RFC 9110: schemes are case-insensitive);
-    the key compared in constant time."""
-    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
+    return bearer_matches(headers.get(b"authorization", b""), key)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -219,3 +257,33 @@ async def send_error(send: Send, error: OpenAIError, close: bool = False) -> Non
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events; an error mid-stream goes out as an error object, then [DONE]."""
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, allow_nan=False)}\n\n"
+    except OpenAIError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def until_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`; if the client disconnects first, cancel it (its `finally` aborts the requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+        raise OpenAIError(499, "client disconnected")
+    return task.result()

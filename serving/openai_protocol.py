@@ -3,8 +3,10 @@
 Field names and defaults are OpenAI's (`/v1/completions`, `/v1/chat/completions`), plus the sampling
 extras vLLM accepts (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `include_stop_str_in_output`, `prompt_logprobs`), so clients written for either
-work unchanged. Unknown fields are ignored, as vLLM does. The values themselves are checked once, by
-`SamplingParams`; an error names the field as the client sent it (`OpenAIError.param`).
+work unchanged. Structured outputs: OpenAI's `response_format` and vLLM's `structured_outputs`
+(`jaxcpp.serving.structured_outputs`); tools: `tools`, `tool_choice`, `parallel_tool_calls`
+(`jaxcpp.serving.tool_calls`). Unknown fields are ignored, as vLLM does. The values themselves are
+checked once, by `SamplingParams`; an error names the field as the client sent it (`OpenAIError.param`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.sampling_params import SamplingParams
+from jaxcpp.serving.structured_outputs import request_constraint
 
 
 class OpenAIError(Exception):
@@ -98,6 +101,8 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None     # OpenAI's: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the field (SamplingParams checks every value)."""
@@ -111,7 +116,8 @@ class _SamplingRequest(BaseModel):
             frequency_penalty=self.frequency_penalty, stop=tuple(stop), min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, **{k: v for k, v in optional.items() if v is not None})
+            prompt_logprobs=prompt_logprobs, **{k: v for k, v in optional.items() if v is not None},
+            structured_outputs=request_constraint(self.response_format, self.structured_outputs))
 
     @property
     def include_usage(self) -> bool:
@@ -179,10 +185,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-
-    def check_unsupported(self) -> None:
-        if self.tools:
-            raise InvalidRequestError("tools", "tool calling is not supported")
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

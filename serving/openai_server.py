@@ -3,14 +3,17 @@
     GET  /v1/models  /health  /version  /metrics  /tokenizer_info
     POST /v1/completions  /v1/chat/completions  /tokenize  /detokenize
 
-One process, one engine: `Server` (serving/server.py) starts this beside gRPC and attaches both to the
-same `EngineLoop`. A request moves like a gRPC call: validated here (bad values refused by
-`SamplingParams`, with a 400 naming the field), one slot of the shared `--max-queue-size` taken (429
-beyond), its engine requests (n samples, each prompt of a batch) added with a sink that posts outputs
-to this loop, and each output turned into text at the edge (`jaxcpp.output_processor`) and sent as a
-server-sent event (`data: {...}`, ending with `data: [DONE]`) or gathered into one JSON body. Whatever
-ends a call early (a client that disconnects, a stream it stops reading, shutdown) aborts its engine
-requests, and their pages are free before the next step.
+One process, one engine: `Server` (serving/lifecycle.py) starts this beside gRPC and attaches both to
+the same `EngineLoop`. A request moves as a gRPC call does, through the same admission
+(`serving/admission.py`): read here into prompts and `SamplingParams` (bad values refused with a 400
+naming the field), the prompts checked and tokenized, one slot of the shared `--max-queue-size` taken
+(429 beyond), its engine requests (n samples, each prompt of a batch) added with a sink that posts
+outputs to this loop, and each output turned into text at the edge (`jaxcpp.output_processor`) and sent
+as a server-sent event (`data: {...}`, ending with `data: [DONE]`) or gathered into one JSON body.
+Whatever ends a call early (a client that disconnects, a stream it stops reading, shutdown) aborts its
+engine requests, and their pages are free before the next step. `serving/http_errors.py` maps
+admission's errors (and every other) to HTTP statuses and error objects; the checks before a body is
+parsed (API key, sizes, timeouts), the listener and the SSE framing are `serving/http_edge.py`'s.
 
 Why FastAPI + uvicorn: the stack vLLM and SGLang serve the same API with, so their clients' quirks
 are already met; FastAPI gives typed bodies and an OpenAPI page (/docs) for free, and uvicorn's
@@ -21,32 +24,27 @@ no thread per request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import socket
-import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxcpp
 from jaxcpp.config import ServerConfig
-from jaxcpp.core.executor import ExecutorError
 from jaxcpp.core.outputs import ModelInfo, RequestOutput, TokenLogprobs
 from jaxcpp.errors import InvalidRequestError
-from jaxcpp.output_processor import RequestState, SampleDelta, SampleStream, needs_abort
+from jaxcpp.output_processor import RequestState, SampleDelta, SampleStream
+from jaxcpp.serving.admission import Admission, OutputStream, PromptTooLargeError, Refused
 from jaxcpp.serving.chat_template import ChatTemplate, NoChatTemplateError
-from jaxcpp.serving.engine_loop import EngineFailedError, EngineLoop, OutputStream
-from jaxcpp.serving.http_edge import EdgeLimits, EdgeMiddleware, edge_protocol
+from jaxcpp.serving.engine_loop import EngineLoop
+from jaxcpp.serving.http_edge import listen, sse, until_disconnected
+from jaxcpp.serving.http_errors import add_error_handlers, openai_error
 from jaxcpp.serving.metrics import ServingMetrics
 from jaxcpp.serving.openai_protocol import (
     CHAT_FIELDS,
@@ -59,6 +57,7 @@ from jaxcpp.serving.openai_protocol import (
     TokenizeRequest,
     check_text,
 )
+from jaxcpp.serving.tool_calls import ToolCalling, ToolStream, merge, template_messages
 from jaxcpp.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,12 +70,11 @@ class OpenAIServer:
     """The HTTP front end. `start()` listens (503 "warming up" until `attach`), `close()` refuses new
     requests (drain), `stop()` ends the listener."""
 
-    def __init__(self, config: ServerConfig, metrics: ServingMetrics, in_flight_elsewhere: Callable[[], int]) -> None:
+    def __init__(self, config: ServerConfig, metrics: ServingMetrics, admission: Admission) -> None:
         self.config = config
         self.metrics = metrics
         self.port = 0
-        self._in_flight_elsewhere = in_flight_elsewhere  # the gRPC calls: one queue limit for both
-        self._in_flight: dict[str, OutputStream] = {}
+        self._admission = admission  # shared with gRPC: one registry, one queue limit
         self._engine: EngineLoop | None = None
         self._info: ModelInfo | None = None
         self._tokenizer: Tokenizer | None = None
@@ -88,40 +86,9 @@ class OpenAIServer:
         self._task: asyncio.Task[None] | None = None
         self.app = self._routes()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
-    def request_ids_in_flight(self) -> list[str]:
-        return list(self._in_flight)
-
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> int:
-        cfg = self.config
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP. Without it a
-        # stream's first chunk waits behind its headers for the client's delayed ACK (Nagle: ~40 ms).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.http_port))
-        sock.listen(2048)
-        sock.setblocking(False)
-        self.port = int(sock.getsockname()[1])
-        tls: dict[str, Any] = {}
-        if cfg.tls_cert:
-            tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key}
-            if cfg.tls_client_ca:
-                tls |= {"ssl_ca_certs": cfg.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        limits = EdgeLimits(cfg.max_message_bytes, cfg.max_header_bytes, cfg.http_read_timeout_s, self._api_key)
-        server_config = uvicorn.Config(EdgeMiddleware(self.app, limits), log_level="warning", lifespan="off",
-                                       access_log=False, timeout_graceful_shutdown=1,
-                                       http=edge_protocol(limits), **tls)
-        self._server = _Uvicorn(server_config)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-        while not self._server.started and not self._task.done():
-            await asyncio.sleep(0.005)
-        if self._task.done():
-            self._task.result()  # raises what stopped it
+        self._server, self._task, self.port = await listen(self.app, self.config, self._api_key)
         return self.port
 
     def attach(self, engine_loop: EngineLoop, info: ModelInfo, tokenizer: Tokenizer | None,
@@ -141,11 +108,7 @@ class OpenAIServer:
     # ---- routes --------------------------------------------------------------------------------
     def _routes(self) -> FastAPI:
         app = FastAPI(title="jaxcpp", version=jaxcpp.__version__, docs_url="/docs", redoc_url=None)
-        app.add_exception_handler(OpenAIError, _error_response)
-        app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-        app.add_exception_handler(InvalidRequestError, _invalid_request)  # type: ignore[arg-type]
-        app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-        app.add_exception_handler(Exception, _internal_error)  # a bug: still an error object, not plain text
+        add_error_handlers(app)
         guarded = [Depends(self._authorize)]
         app.get("/health")(self._health)
         app.get("/version")(lambda: {"version": jaxcpp.__version__})
@@ -200,12 +163,14 @@ class OpenAIServer:
         text = body.prompt if body.prompt is not None else \
             self._render([m.for_template() for m in body.messages or ()], body.add_generation_prompt, None)
         assert self._info is not None
-        tokens = self._encode(text, "prompt")
+        tokens = self._admission.tokenize(text, "prompt")
         return {"count": len(tokens), "max_model_len": self._info.max_model_len, "tokens": tokens}
 
     async def _detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
-        return {"prompt": self._require_tokenizer("tokens").decode(body.tokens)}
+        if self._tokenizer is None:
+            raise InvalidRequestError("tokens", "this model folder has no tokenizer.json: nothing to decode with")
+        return {"prompt": self._tokenizer.decode(body.tokens)}
 
     async def _completions(self, body: CompletionRequest, request: Request) -> Response:
         check_text(body)
@@ -229,94 +194,56 @@ class OpenAIServer:
         self._check_model(body.model)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            body.check_unsupported()
-            text = self._render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                                body.chat_template_kwargs)
+            tools = ToolCalling.of(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                   self.config.enable_auto_tool_choice, self.config.tool_call_parser)
+            text = self._render(template_messages([m.for_template() for m in body.messages]),
+                                body.add_generation_prompt, {**({"tools": tools.tools} if tools else {}),
+                                                             **(body.chat_template_kwargs or {})})
             ids = self._prompt_ids(text, "messages")
             max_tokens = body.requested_max_tokens()
             params = body.sampling_params(max_tokens if max_tokens is not None else self._room(ids),
                                           body.logprob_count(), None)
+            params = tools.constrain(params) if tools is not None else params
         except InvalidRequestError as e:
             raise OpenAIError.invalid(e, CHAT_FIELDS) from None
         call = _Call(call_id, "chat.completion", body.model or self._names[0],
-                     [RequestState(call_id, params, self._tokenizer)], [ids], body.n, self._tokenizer, chat=True)
+                     [RequestState(call_id, params, self._tokenizer)], [ids], body.n, self._tokenizer, chat=True,
+                     tools=tools if tools is not None and tools.makes_calls else None)
         return await self._respond(call, request, body.stream, body.include_usage, CHAT_FIELDS)
 
     # ---- one call ------------------------------------------------------------------------------
     async def _respond(self, call: _Call, request: Request, stream: bool, include_usage: bool,
                        fields: dict[str, str]) -> Response:
-        engine = self._engine
-        assert engine is not None
-        if len(self._in_flight) + self._in_flight_elsewhere() >= self.config.max_queue_size:
-            self.metrics.rejected.labels("429").inc()
-            raise OpenAIError(429, f"request queue is full: {self.config.max_queue_size} requests in flight "
-                                   f"(--max-queue-size {self.config.max_queue_size}); retry later")
-        output = OutputStream(call.id, self.config.max_stream_buffer, self._on_stalled)
-        output.engine_request_ids = [rid for state in call.states for rid, _ in state.engine_requests]
-        self._in_flight[call.id] = output
-        self.metrics.set_in_flight(len(self._in_flight) + self._in_flight_elsewhere())
         try:  # every prompt's requests queued at once: they join the engine before its next step, together
-            added = await asyncio.gather(*(asyncio.wrap_future(engine.add_samples(state, ids, output.sink()))
-                                           for state, ids in zip(call.states, call.prompts, strict=True)),
-                                         return_exceptions=True)
-            refused = next((e for e in added if isinstance(e, BaseException)), None)
-            if refused is not None:
-                raise refused
+            output = await self._admission.admit(call.id, call.states, call.prompts)
         except InvalidRequestError as e:
-            self._leave(output, engine)
             raise OpenAIError.invalid(e, fields) from None
-        except EngineFailedError as e:
-            self._leave(output, engine)
-            raise OpenAIError(503, str(e)) from None
-        events = self._events(call, output, engine, include_usage)
+        except Refused as e:
+            if e.kind == "full":
+                self.metrics.rejected.labels("429").inc()
+            raise openai_error(e) from None
+        events = self._events(call, output, include_usage)
         if stream:
-            return StreamingResponse(_sse(events), media_type="text/event-stream")
-        return JSONResponse(await _until_disconnected(request, self._gather(call, events)))
+            return StreamingResponse(sse(events), media_type="text/event-stream")
+        return JSONResponse(await until_disconnected(request, self._gather(call, events)))
 
-    async def _events(self, call: _Call, output: OutputStream, engine: EngineLoop,
-                      include_usage: bool) -> AsyncIterator[Event]:
+    async def _events(self, call: _Call, output: OutputStream, include_usage: bool) -> AsyncIterator[Event]:
         """The call's stream chunks, in order; its engine requests are aborted however it ends."""
-        states = {rid: state for state in call.states for rid, _ in state.engine_requests}
         try:
-            while not all(state.finished for state in call.states):
-                out = await output.outputs.get()
-                if isinstance(out, OpenAIError):
-                    raise out
-                if isinstance(out, BaseException):
-                    raise OpenAIError(503 if isinstance(out, ExecutorError) else 500, f"engine failed: {out}")
-                if out.finish_reason == "error":  # 503 when retrying may help (no producer could prefill it)
-                    raise OpenAIError(503 if out.unavailable else 500, f"engine failed this request: {out.error}")
-                state = states[out.request_id]
-                delta = state.process(out)
-                if needs_abort(out, delta):  # a stop string ended it
-                    engine.abort(out.request_id, "stop")
-                if delta is not None and (delta.token_ids or delta.text or delta.finished):
-                    yield call.chunk(call.states.index(state), state, out, delta)
+            async for prompt_index, state, out, delta in self._admission.deltas(output, call.states):
+                if delta.token_ids or delta.text or delta.finished:
+                    yield call.chunk(prompt_index, state, out, delta)
             if include_usage:
                 yield {**call.header("chunk"), "choices": [], "usage": call.usage()}
+        except Refused as e:
+            raise openai_error(e) from None
         finally:
-            self._leave(output, engine)
+            self._admission.leave(output)
 
     async def _gather(self, call: _Call, events: AsyncIterator[Event]) -> Event:
         async for _ in events:
             pass
         return call.response()
-
-    def _on_stalled(self, output: OutputStream) -> None:
-        log.warning("request %r: client is not reading (%d chunks queued); aborting", output.request_id,
-                    output.outputs.qsize())
-        if self._engine is not None:
-            self._leave(output, self._engine)
-        output.outputs.put_nowait(OpenAIError(500, f"client is not reading: {output.outputs.qsize()} outputs queued "
-                                                   f"(--max-stream-buffer {self.config.max_stream_buffer} per "
-                                                   "sample of each prompt); request aborted"))  # ends its stream
-
-    def _leave(self, output: OutputStream, engine: EngineLoop) -> None:
-        output.abort(engine)  # finished ones: no-op
-        key = output.request_id
-        if self._in_flight.get(key) is output:
-            del self._in_flight[key]
-        self.metrics.set_in_flight(len(self._in_flight) + self._in_flight_elsewhere())
 
     # ---- prompts -------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -325,24 +252,10 @@ class OpenAIServer:
                               "model", "model_not_found")
 
     def _prompt_ids(self, prompt: Prompt, field: str) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        size = len(prompt.encode("utf-8", "surrogatepass"))
-        if size > self.config.max_prompt_bytes:
-            raise OpenAIError(413, f"{field}: prompt text of {size} bytes is over --max-prompt-bytes "
-                                   f"{self.config.max_prompt_bytes}", field)
-        return self._encode(prompt, field)
-
-    def _encode(self, text: str, field: str) -> list[int]:
-        ids = self._require_tokenizer(field).encode(text)
-        if not ids:
-            raise InvalidRequestError(field, "must not be empty")
-        return ids
-
-    def _require_tokenizer(self, field: str) -> Tokenizer:
-        if self._tokenizer is None:
-            raise OpenAIError(400, f"{field}: this model folder has no tokenizer: send token ids", field)
-        return self._tokenizer
+        try:
+            return self._admission.prompt_ids(prompt, field)
+        except PromptTooLargeError as e:
+            raise OpenAIError(413, str(e), field) from None
 
     def _room(self, prompt: list[int]) -> int:
         """max_tokens when the client gives none (chat): whatever the model length leaves."""
@@ -356,22 +269,16 @@ class OpenAIServer:
         return self._chat_template.render(messages, add_generation_prompt, kwargs)
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its signal handlers: SIGTERM belongs to `jaxcpp.serving.server.serve`, which drains
-    both front ends."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class _Call:
     """One HTTP call's samples (n per prompt, prompts of a batch), as chunks and as one response."""
 
     def __init__(self, call_id: str, kind: str, model: str, states: list[RequestState], prompts: list[list[int]],
-                 n: int, tokenizer: Tokenizer | None, *, echo: bool = False, chat: bool = False) -> None:
+                 n: int, tokenizer: Tokenizer | None, *, echo: bool = False, chat: bool = False,
+                 tools: ToolCalling | None = None) -> None:
         self.id, self.kind, self.model, self.states, self.prompts = call_id, kind, model, states, prompts
         self.n, self.echo, self.chat = n, echo, chat
+        self.tools = tools  # calls to parse out of the text (jaxcpp.serving.tool_calls)
+        self._tool_streams: dict[int, ToolStream] = {}
         self.created = int(time.time())
         self._started: set[int] = set()  # choices whose first chunk went out
         self._tokenizer = tokenizer
@@ -393,7 +300,13 @@ class _Call:
         finish = {"finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason} if delta.finished \
             else {"finish_reason": None}
         if self.chat:
-            message: Event = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            message: Event = {"content": delta.text}
+            if self.tools is not None:
+                stream = self._tool_streams.setdefault(index, ToolStream(self.tools))
+                message = merge(stream.feed(delta.text, delta.finished))
+                if delta.finished:
+                    finish["finish_reason"] = self.tools.finish_reason(delta.finish_reason, stream.made_calls)
+            message = {"role": "assistant", **message} if first else message
             logprobs = _chat_logprobs(self._tokenizer, delta.logprobs)
             return {**self.header("chunk"), "choices": [{"index": index, "delta": message, "logprobs": logprobs,
                                                          **finish}]}
@@ -422,7 +335,11 @@ class _Call:
         finish = {"finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
         entries: Entries = list(sample.logprobs) if sample.params.logprobs is not None else None
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": sample.text},
+            message = {"role": "assistant", "content": sample.text}
+            if self.tools is not None:
+                message = self.tools.message(sample.text)
+                finish["finish_reason"] = self.tools.finish_reason(sample.finish_reason, "tool_calls" in message)
+            return {"index": index, "message": message,
                     "logprobs": _chat_logprobs(self._tokenizer, entries), **finish}
         text = sample.text
         if self.echo and state.prompt_output is not None:
@@ -476,79 +393,3 @@ def _chat_logprobs(tok: Tokenizer | None, entries: Iterable[TokenLogprobs | None
 
     return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                         for e in entries if e is not None]}
-
-
-async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """Server-sent events; an error mid-stream goes out as an error object, then [DONE]."""
-    try:
-        async for event in events:
-            yield f"data: {json.dumps(event, allow_nan=False)}\n\n"
-    except OpenAIError as e:
-        yield f"data: {json.dumps(e.body())}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-async def _until_disconnected(request: Request, work: Any) -> Any:
-    """Await `work`; if the client disconnects first, cancel it (its `finally` aborts the requests)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.wait({task})
-        raise OpenAIError(499, "client disconnected")
-    return task.result()
-
-
-async def _error_response(request: Request, error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
-
-
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 becomes OpenAI's 400, naming the first field that failed (none for a body that is
-    not JSON, or not a JSON object)."""
-    first = error.errors()[0] if error.errors() else {}
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", "")
-        return await _error_response(request, OpenAIError(400, f"the body is not valid JSON: {detail} (at "
-                                                               f"character {first['loc'][-1]})"))
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg', 'invalid request')}" if param else \
-        f"the body must be a JSON object: {first.get('msg', 'invalid request')}"
-    return await _error_response(request, OpenAIError(400, message, param))
-
-
-async def _invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
-    """What a route did not turn into an OpenAIError itself (/tokenize's checks): 400 naming the field."""
-    return await _error_response(request, OpenAIError.invalid(error))
-
-
-async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own answers (no route, wrong method, a body FastAPI could not parse) as error objects."""
-    if error.status_code == 404:
-        message = f"no route {request.method} {request.url.path}: see /docs for the API"
-    elif error.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path} (allowed: " \
-                  f"{(error.headers or {}).get('Allow', '?')})"
-    elif error.status_code == 400 and error.__cause__ is not None:  # json.loads raised, not with a JSON error:
-        cause = error.__cause__  # invalid UTF-8, a number past Python's 4,300 digits, nesting too deep
-        message = f"the body could not be parsed as JSON: {type(cause).__name__}: {str(cause)[:200]}"
-    else:
-        message = str(error.detail)
-    response = await _error_response(request, OpenAIError(error.status_code, message))
-    response.headers.update(error.headers or {})
-    return response
-
-
-async def _internal_error(request: Request, error: Exception) -> JSONResponse:
-    log.error("HTTP %s %s failed: %r", request.method, request.url.path, error)
-    return await _error_response(request, OpenAIError(500, f"internal error: {type(error).__name__}: {error}"))

@@ -150,3 +150,39 @@ def fit_runtime(chunks: Sequence[int], prefixes: Sequence[int], seconds: Sequenc
     fit = _fit_with_refits(x, prefix, t, b, c_startup)
     rejection = check_fit(fit, x, prefix, t, budget)
     return rejection if rejection is not None else fit.model
+
+
+@dataclass(frozen=True)
+class FreeFit:
+    """All four coefficients fitted at once (an offline measurement, not the engine's calibration)."""
+
+    model: LatencyModel
+    errors: LatencyModel  # the standard error of each coefficient (0 for one held at 0)
+    fit_error: float      # RMS residual as a share of the mean latency (`relative_rms`)
+
+
+def fit_free(chunks: Sequence[int], prefixes: Sequence[int], seconds: Sequence[float],
+             with_gamma: bool = True) -> FreeFit:
+    """Least squares of t on [2·L·x + x², x, 1, L] (without L: γ forced to 0), columns scaled to unit
+    norm, with each coefficient's standard error sqrt(σ²·(XᵀX)⁻¹); for a benchmark that times every
+    (chunk, prefix) shape itself, where the engine's two-stage fit (`fit_startup`, `fit_runtime`) has
+    no attention-free forward to take b and c from."""
+    x = np.asarray(chunks, dtype=np.float64)
+    prefix = np.asarray(prefixes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    raw = np.stack([attention_area(prefix, x), x, np.ones_like(x)] + ([prefix] if with_gamma else []), axis=1)
+    if len(t) <= raw.shape[1]:
+        raise ValueError(f"{len(t)} samples cannot fit {raw.shape[1]} coefficients with an error")
+    norms = np.linalg.norm(raw, axis=0)
+    norms[norms == 0] = 1.0
+    design = raw / norms
+    scaled, *_ = np.linalg.lstsq(design, t, rcond=None)
+    residual = t - design @ scaled
+    sigma2 = float(residual @ residual) / (len(t) - design.shape[1])
+    stderr = np.sqrt(np.maximum(np.diag(np.linalg.pinv(design.T @ design)) * sigma2, 0.0)) / norms
+    coef = scaled / norms
+    pad = (lambda v: [*v, 0.0]) if not with_gamma else list  # noqa: E731
+    a, b, c, gamma = pad(coef.tolist())
+    ea, eb, ec, egamma = pad(stderr.tolist())
+    return FreeFit(LatencyModel(a=a, b=b, c=c, gamma=gamma), LatencyModel(a=ea, b=eb, c=ec, gamma=egamma),
+                   relative_rms(residual, t))

@@ -13,6 +13,12 @@ the device does not wait through the host's schedule / build / postprocess betwe
     LLMEngine(config)                      # plans sizes from the model folder, builds the real executor
     LLMEngine(config, executor=FakeExecutor(...))   # any executor: tests and tools, no jax needed
 
+Structured outputs (`jaxcpp.structured`): a constrained request waits in the scheduler until its own
+grammar is built in the pool; each step carries the grammar masks of its constrained rows (filled on
+the host after the step is built), or, for a decode whose previous token is still on the device, is
+submitted without its draw, and the mask is filled and the draw dispatched once the step before it is
+collected (`_sample_late`; the executor must `defers_masks`, else such a decode is not scheduled ahead).
+
 A failed stage surfaces as `ExecutorError`: the requests of the steps in flight end with finish reason
 "error" (their pages freed); a fatal one then propagates, since the executor cannot run more steps.
 Not thread-safe: one thread drives it.
@@ -24,6 +30,9 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
@@ -43,6 +52,10 @@ from jaxcpp.core.step_input import StepInput, build_step_input, failing_chunks
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.models.spec import ModelSpec, resolve_model_spec
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
+from jaxcpp.structured.request import RequestGrammar, step_bitmask
+
+if TYPE_CHECKING:  # built on first use: the library loads only when a request needs it
+    from jaxcpp.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +102,13 @@ class LLMEngine:
         self._consumer: KVConsumer | None = None   # disaggregation's engine side (`jaxcpp.core.disaggregation`)
         self._producer = KVProducer(executor, self.sizing.page_size) if self.kv is not None and self.kv.produces \
             else None
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        self._compiling: list[Sequence] = []  # constrained requests whose grammar is still compiling
+        # async scheduling + an executor that can draw a step's tokens after its forward: a constrained
+        # decode takes a placeholder, and its mask is filled once the token before it is collected
+        self._defer_masks = self.async_scheduling and getattr(self.executor, "defers_masks", False)
+        self.scheduler.constrained_placeholders = self._defer_masks
+        self._awaiting_mask: SchedulerOutput | None = None  # the step submitted without its draw
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
@@ -109,6 +129,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self._consumer is not None:
             self._consumer.close()
         self.executor.close()
@@ -133,10 +155,39 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
                        banned_ids=self._banned_ids(params), group=group, kv_transfer=kv_transfer)
-        if self._consumer is not None and not params.reads_history_on_device:
+        if params.structured_outputs is not None:
+            seq.grammar = self._compile_grammar(params)
+            self._compiling.append(seq)
+        if self._consumer is not None and not params.reads_history_on_device and seq.grammar is None:
             self.scheduler.add_remote(seq)
         else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
+            # or whose first token its own grammar masks (a constrained one)
             self.scheduler.add(seq)
+
+    def _compile_grammar(self, params: SamplingParams) -> RequestGrammar:
+        """Start the request's grammar compiling in the pool (or find it cached): it waits in the
+        scheduler until its own grammar is built, never holding up the loop."""
+        assert params.structured_outputs is not None
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured_outputs", "this model folder has no tokenizer: a grammar "
+                                      "is over the tokenizer's tokens")
+        if self._grammars is None:
+            from jaxcpp.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.sizing.spec.config.vocab_size)
+        return RequestGrammar(self._grammars.compile(params.structured_outputs), self._grammars.matcher)
+
+    def _fail_bad_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to build end with an error naming the field (no page was taken:
+        they never left the waiting queue)."""
+        failed = []
+        for seq in [s for s in self._compiling if s.grammar.done]:
+            self._compiling.remove(seq)
+            error = seq.grammar.error()
+            if error is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "error", time.monotonic())
+                failed.append(dataclasses.replace(self._output(seq, []), error=str(error)))
+        return failed
 
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids):
@@ -174,6 +225,8 @@ class LLMEngine:
         """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
+        if self._compiling:
+            outputs += self._fail_bad_grammars()
         if self._consumer is not None:  # a kv_consumer's remote prefills: pulled and admitted here
             busy = self._in_flight or self.scheduler.running or self.scheduler.waiting
             outputs += self._consumer.step(idle=not busy)
@@ -199,6 +252,11 @@ class LLMEngine:
 
     def _submit_next(self) -> bool:
         oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
+        if self._awaiting_mask is not None:
+            return False  # its draw comes first: steps are sampled in order
+        if oldest is not None and self._grammars is not None and not self._defer_masks and \
+                self.scheduler.waits_for_constrained_token(oldest.step_id):
+            return False  # collect it first (jaxcpp.structured.request: when a mask can be filled)
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
             sched = self.scheduler.schedule(feedback_from=oldest.step_id if oldest else None)
@@ -208,17 +266,25 @@ class LLMEngine:
             step = self._build(sched)
         if step is None:
             return True  # every request of the step failed (their outputs go out with the next step's)
+        bitmask, deferred = None, False
+        if self._grammars is not None:  # once a constrained request came: the step's grammar masks
+            deferred = any(c.feedback_row >= 0 and c.seq.grammar is not None for c in sched.chunks)
+            if not deferred:
+                with phase("mask"):
+                    bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words)
         try:
             with phase("dispatch"):
                 self.executor.submit(StepRequest(
                     sched.step_id, step, want_tokens=sched.samples, want_logits=self.record_logits, ack=sched.ack,
                     feedback_from=sched.feedback_from if sched.feeds_back else None,
-                    want_logprobs=sched.wants_logprobs, want_prompt_logprobs=sched.wants_prompt_logprobs))
+                    want_logprobs=sched.wants_logprobs, want_prompt_logprobs=sched.wants_prompt_logprobs,
+                    bitmask=bitmask, defer_sampling=deferred))
         except ExecutorError:
             self._in_flight.append(sched, sched.num_decodes > 0)  # never submitted: it fails with those in flight
             self._released.add(sched.step_id)
             raise
         self._in_flight.append(sched, sched.num_decodes > 0)
+        self._awaiting_mask = sched if deferred else None
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
@@ -261,7 +327,23 @@ class LLMEngine:
                 self._producer.offer(sched)  # before postprocess frees the pages
             sampled = self.scheduler.postprocess(sched, result, time.monotonic())
             self._stats.count_sampled(len(sampled))
-            return [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+            outputs = [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
+        if self._awaiting_mask is not None and self._awaiting_mask.feedback_from == sched.step_id:
+            self._sample_late(phase)
+        return outputs
+
+    def _sample_late(self, phase: Callable[[str], AbstractContextManager[None]]) -> None:
+        """The step waiting for its draw: its constrained rows' grammars have their previous token now
+        (just collected), so its mask is filled and its tokens drawn, while the device runs its forward."""
+        assert self._awaiting_mask is not None and self._grammars is not None
+        pending, self._awaiting_mask = self._awaiting_mask, None
+        with phase("mask"):
+            bitmask = step_bitmask(pending, self.sizing.shape.max_num_seqs, self._grammars.words)
+        try:
+            self.executor.sample(pending.step_id, bitmask)  # type: ignore[attr-defined]
+        except ExecutorError:
+            self._released.add(pending.step_id)
+            raise
 
     def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Garbage from a device must not become a request's output: ids outside the vocabulary fail the
@@ -280,6 +362,7 @@ class LLMEngine:
         log.error("executor failed: %s; failing the requests of %d step(s) in flight", error, len(self._in_flight))
         now, outputs = time.monotonic(), []
         self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
+        self._awaiting_mask = None
         while self._in_flight:
             sched = self._in_flight.popleft()
             if sched.step_id not in self._released and not error.fatal:

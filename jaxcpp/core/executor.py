@@ -26,6 +26,11 @@ checks none of those rules again. Its own steps (warm-up) take ids below zero. W
                          with want_logprobs each sampled token's log-probability and the top
                          MAX_LOGPROBS [S], with want_prompt_logprobs every token's of its
                          `prompt_targets` entry [T]: computed on the device, only these come home
+    engine -> executor   StepRequest.bitmask [max_num_seqs, ceil(V / 32)] int32 for a step with
+                         constrained rows (`jaxcpp.structured`): the sampler draws only tokens whose bit
+                         is set; None: all. Optional: an executor with `defers_masks = True` also takes
+                         `StepRequest(..., defer_sampling=True)` (the forward only) and later
+                         `sample(step_id, bitmask)` (the draw), before any other step is submitted
 
 `ack`: collect waits until the last stage has acknowledged the micro-batch, i.e. every stage finished
 and timed it (dynamic chunking needs the timing before it sizes the next chunk). A failed stage or
@@ -52,6 +57,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from jaxcpp.core.kv_transfer import KVOffer, KVPull
 from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.core.step_result import Logprobs, StageTiming, StepResult
@@ -60,7 +67,7 @@ __all__ = ["Executor", "ExecutorError", "FailureListener", "HostPhase", "KVConsu
            "Logprobs", "StageTiming", "StepRequest", "StepResult"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepRequest:
     """One step as the engine hands it to every executor (in process, stage processes, fake): its inputs
     and what it wants back. The executor keeps it by `step_id` until the step is collected."""
@@ -73,6 +80,8 @@ class StepRequest:
     feedback_from: int | None = None  # a step in flight whose tokens this step's placeholders read
     want_logprobs: bool = False   # each sampled token's logprob and the top MAX_LOGPROBS
     want_prompt_logprobs: bool = False  # every prompt token's (`echo`)
+    bitmask: np.ndarray | None = None  # [max_num_seqs, ceil(V / 32)] int32: constrained rows' allowed tokens
+    defer_sampling: bool = False  # the forward only: `sample(step_id, bitmask)` draws (`defers_masks` executors)
 
     @property
     def wants_result(self) -> bool:
@@ -90,7 +99,7 @@ class StepRequest:
 class HostPhase:
     """Where the engine loop's own time went: one phase of one step (perf_counter seconds)."""
 
-    name: str             # schedule, build, dispatch, wait, postprocess, or gc (a collector pause)
+    name: str             # schedule, build, mask, dispatch, wait, postprocess, or gc (a collector pause)
     step: int             # the scheduler's step id
     start: float
     end: float

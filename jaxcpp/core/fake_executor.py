@@ -68,6 +68,19 @@ def fake_tokens(step: StepInput, next_token: NextToken = printable_next_token, e
     return tokens
 
 
+def allowed_tokens(tokens: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """Each row's token if its bitmask row allows it, else the next allowed id above it (cyclically):
+    what a constrained row draws here."""
+    out = tokens.copy()
+    ids = np.arange(bitmask.shape[1] * 32)
+    for i, token in enumerate(tokens[:bitmask.shape[0]]):
+        allowed = ids[(bitmask[i, ids // 32] >> (ids % 32)) & 1 == 1]
+        if allowed.size and token not in allowed:
+            later = allowed[allowed > token]
+            out[i] = later[0] if later.size else allowed[0]
+    return out
+
+
 def next_tokens(step: StepInput, next_token: NextToken = printable_next_token) -> np.ndarray:
     """What each token row predicts (its one-hot logits' argmax), as if it were the last of its sequence."""
     return np.array([next_token(int(t), int(p), 0) for t, p in zip(step.token_ids, step.positions, strict=True)],
@@ -147,6 +160,8 @@ class FakeExecutor:
             self.steps.append(step)
         source = self._in_flight[feedback_from] if feedback_from is not None else None
         tokens = self._tokens(with_fed_back_tokens(step, source[2]) if source else step)
+        if r.bitmask is not None:
+            tokens = allowed_tokens(tokens, r.bitmask)
         width = max(self.vocab_size, int(tokens.max(initial=0)) + 1)
         logits = np.eye(width, dtype=np.float32)[tokens] if r.want_logits else None
         timings = self._run_stages(step_id, step, source[1] if source else 0.0)

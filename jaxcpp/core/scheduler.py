@@ -183,6 +183,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
         self.prefix_hit_tokens = 0            # of those, tokens the cache gave
         self.free_history_slots = list(range(config.max_num_seqs))[::-1]  # device penalty-history rows
+        self.constrained_placeholders = False  # the engine fills a constrained placeholder's mask late
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -242,6 +243,10 @@ class Scheduler:
             assert result.tokens is not None, "a step that samples was submitted without want_tokens"
             token = int(result.tokens[i])
             seq.receive_token(token)
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                self.finish(seq, "error", now)  # the mask allowed it: the sampler ignored the mask
+                sampled.append(seq)
+                continue
             seq.metrics.record_token(now)
             if result.logits is not None:
                 seq.logits.append(result.logits[i])
@@ -282,6 +287,8 @@ class Scheduler:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.stop.eos_token_ids):
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"  # the grammar is complete and allows nothing more (not even more whitespace)
         return "length" if self._at_length(seq) else None
 
     def _at_length(self, seq: Sequence, ahead: int = 0) -> bool:
@@ -306,11 +313,18 @@ class Scheduler:
             budget_left -= 1
         return budget_left
 
+    def waits_for_constrained_token(self, step_id: int) -> bool:
+        """A running constrained request's next token is sampled by step `step_id`: scheduling ahead of
+        that step would leave it out (its mask needs that token on the host), so the engine collects first."""
+        return any(s.grammar is not None and s.num_pending == 1 and s.pending_step == step_id for s in self.running)
+
     def _can_decode_pending(self, seq: Sequence, feedback_from: int | None) -> bool:
         """Its one pending token comes from the fed-back step, is the next to compute, and may not be
         its last (a placeholder decode past max_tokens or the model's length would only be dropped)."""
         if feedback_from is None or seq.num_pending != 1 or seq.pending_step != feedback_from:
             return False
+        if seq.grammar is not None and not self.constrained_placeholders:
+            return False  # its next mask is its grammar's state after that token (jaxcpp.structured.request)
         return seq.num_computed_tokens == seq.num_tokens and not self._at_length(seq, ahead=1)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
@@ -324,6 +338,8 @@ class Scheduler:
             if admit:
                 if seq.awaiting_token:
                     break  # preempted with a token in flight: its recompute needs that token
+                if seq.grammar is not None and not seq.grammar.ready:
+                    continue  # its grammar compiles in the pool: the others go ahead
                 shared = self._shared_prefix(seq)
                 if shared is not None:
                     in_progress = self._prefixes_in_progress() if in_progress is None else in_progress

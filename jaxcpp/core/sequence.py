@@ -61,6 +61,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per prompt token from the second
     kv_transfer: KVTransferRequest | None = None  # a producer's: offer the prompt's pages to a consumer
     kv_offer: KVOffer | None = None               # ... where they wait, once offered
+    grammar: Any = None                         # a constrained request's RequestGrammar (jaxcpp.structured)
     _page_hashes: PageHashes | None = field(default=None, repr=False)
 
     @property

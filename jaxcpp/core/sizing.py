@@ -122,9 +122,25 @@ class EngineSizing:
                             layers, decode_buckets(max_num_seqs, page_size), kv_cache_dtype)
 
 
+def kv_values_per_token(model: LlamaConfig) -> int:
+    """Values one token keeps in one layer's pages: K and V of every KV head, or, for an MLA model (a
+    config with `kv_lora_rank`, as DeepSeek-V2/V3 and Kimi-K2 have), one latent row of kv_lora_rank +
+    qk_rope_head_dim values shared by all heads (`jaxcpp.kernels.mla_attention`)."""
+    rank = getattr(model, "kv_lora_rank", None)
+    if rank:
+        return int(rank) + int(model.qk_rope_head_dim)  # type: ignore[attr-defined]
+    return 2 * model.num_key_value_heads * model.head_dim
+
+
 def page_bytes(model: LlamaConfig, num_layers: int, page_size: int, kv_cache_dtype: str) -> int:
-    """Bytes of one page of K and V over `num_layers` layers (the per-layer fp8 scales are negligible)."""
-    return 2 * num_layers * page_size * model.num_key_value_heads * model.head_dim * _ITEMSIZE[kv_cache_dtype]
+    """Bytes of one page over `num_layers` layers (the per-layer fp8 scales are negligible)."""
+    return num_layers * page_size * kv_values_per_token(model) * _ITEMSIZE[kv_cache_dtype]
+
+
+def pages_in_memory(model: LlamaConfig, num_layers: int, page_size: int, kv_cache_dtype: str,
+                    memory_gb: float) -> int:
+    """Pages of `num_layers` layers that `memory_gb` (--kv-cache-memory-gb) holds, page 0 included."""
+    return int(memory_gb * 2**30) // max(1, page_bytes(model, num_layers, page_size, kv_cache_dtype))
 
 
 def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: int, pages_per_seq: int,
@@ -134,8 +150,8 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: i
     if config.cache.num_pages is not None:
         num_pages = config.cache.num_pages
     else:
-        one_page = page_bytes(model, largest_stage_layers, page_size, kv_cache_dtype)
-        budget = int(config.cache.kv_cache_memory_gb * 2**30) // max(1, one_page)
+        budget = pages_in_memory(model, largest_stage_layers, page_size, kv_cache_dtype,
+                                 config.cache.kv_cache_memory_gb)
         # More pages than every sequence at full length can use would only waste memory.
         num_pages = min(budget, config.scheduler.max_num_seqs * pages_per_seq + 1)
     if num_pages < pages_per_seq + 1:

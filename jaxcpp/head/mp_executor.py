@@ -475,13 +475,15 @@ class MultiProcessExecutor:
         self._offered.discard(request.feedback_from)
         header = {"op": "step", "id": step_id, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout], **request.flags(),
-                  "offer_tokens": offer, "drain_tokens": self._to_drain, "needs_full_sampler": step.needs_full_sampler}
+                  "offer_tokens": offer, "drain_tokens": self._to_drain, "needs_full_sampler": step.needs_full_sampler,
+                  "bitmask": request.bitmask is not None}
         self._to_drain = []
         if offer:
             self._offered.add(step_id)
         with self._lock:
             self._submit_times[step_id] = time.perf_counter()
-        self._broadcast(header, [buf])
+        bitmask = request.bitmask
+        self._broadcast(header, [buf], last=None if bitmask is None else [buf, bitmask])  # the sampler's mask
         self._submitted[step_id] = request
 
     def collect(self, step_id: int) -> StepResult:
@@ -587,11 +589,13 @@ class MultiProcessExecutor:
         self._broadcast({"op": "offer_kv", "id": transfer_id, "pages": pages})
         return KVOffer(tuple(KVSource(ln.transfer, *ln.layers) for ln in self.links), len(pages))
 
-    def _broadcast(self, header: dict[str, Any], arrays: list[Any] = ()) -> None:  # type: ignore[assignment]
+    def _broadcast(self, header: dict[str, Any], arrays: list[Any] = (),  # type: ignore[assignment]
+                   last: list[Any] | None = None) -> None:
+        """`header` and `arrays` to every stage; `last`: the last stage's arrays instead."""
         for ln in self.links:
             try:
                 with ln.send_lock:
-                    wire.send(ln.conn, header, arrays)
+                    wire.send(ln.conn, header, last if last is not None and ln is self.links[-1] else arrays)
             except OSError as e:
                 self._fail(ln.error(f"sending to the stage process failed: {e}; {how_it_ended(ln)}"))
                 self._raise_if_failed()

@@ -57,6 +57,8 @@ class _Submitted:
 
 
 class PipelineExecutor:
+    defers_masks = True  # `StepRequest(defer_sampling=True)`, then `sample(step_id, bitmask)` (structured.request)
+
     def __init__(self, stages: list[Stage], trace_file: str | None = None, kv: KVSettings | None = None) -> None:
         """`kv`: this instance's part in disaggregation (its transfer server starts here), or None."""
         compile_guard.install()
@@ -98,11 +100,12 @@ class PipelineExecutor:
         return time.perf_counter() - start
 
     def submit(self, request: StepRequest) -> None:
+        """`request.defer_sampling`: the last stage stops at the logits; `sample(step_id, bitmask)` draws."""
         r, step, step_id = request, request.step, request.step_id
         records: list[DispatchedStage] = []
         fed_back = self._fed_back(r.feedback_from)  # tokens the first stage's placeholder decodes read
         hidden: Any = None
-        for stage, batch in zip(self.stages, self._put_step(step), strict=True):
+        for stage, batch in zip(self.stages, self._put_step(step, r.bitmask, r.defer_sampling), strict=True):
             try:
                 if hidden is not None:
                     hidden = stage.receive(hidden)
@@ -115,12 +118,28 @@ class PipelineExecutor:
                                            dispatched, inputs, hidden))
         out: StepOutput = hidden  # the last stage's output
         prompt_logprobs = self.stages[-1].run_prompt_logprobs(out) if r.want_prompt_logprobs else None
-        wanted = [[out.tokens] if r.want_tokens else [], [out.logits] if r.want_logits else [],
-                  out.sampled[1:] if r.want_logprobs else (), prompt_logprobs or ()]
-        for array in (a for arrays in wanted for a in arrays):
-            array.copy_to_host_async()  # start home as soon as they exist
         self._timing.watch(records)
         self._submitted[step_id] = _Submitted(request, out, prompt_logprobs)
+        if not r.defer_sampling:
+            self._fetch(self._submitted[step_id])
+
+    def sample(self, step_id: int, bitmask: np.ndarray | None) -> None:
+        """Draw the tokens of a step submitted with `defer_sampling`, with its (now known) mask."""
+        sub, stage = self._submitted[step_id], self.stages[-1]
+        try:
+            mask = jax.device_put(bitmask, stage.replicated) if bitmask is not None else None
+            sub.output = stage.sample(sub.output, mask)
+        except Exception as e:  # a dispatch error fails the step
+            raise ExecutorError(f"sampling micro-batch {step_id} failed: {e}", stage=stage.index) from e
+        self._fetch(sub)
+
+    @staticmethod
+    def _fetch(sub: _Submitted) -> None:
+        out, r = sub.output, sub.request
+        wanted = [[out.tokens] if r.want_tokens else [], [out.logits] if r.want_logits else [],
+                  out.sampled[1:] if r.want_logprobs else (), sub.prompt_logprobs or ()]  # type: ignore[index]
+        for array in (a for arrays in wanted for a in arrays):
+            array.copy_to_host_async()  # start home as soon as they exist
 
     def _fed_back(self, feedback_from: int | None) -> Any:
         """The tokens of a step still in flight, moved (asynchronously) to the first stage's devices."""
@@ -131,6 +150,8 @@ class PipelineExecutor:
     def collect(self, step_id: int) -> StepResult:
         head = self._submitted.pop(step_id)
         r = head.request
+        if head.output.sampled is None:  # deferred, and never sampled: only a failed engine collects it so
+            raise ExecutorError(f"micro-batch {step_id} was collected before it was sampled", fatal=False)
         timings = self._timing.wait_for_ack(step_id) if r.ack else ()
         try:
             jax.block_until_ready(head.output.tokens)  # out of the pipe: it holds no activation any more
@@ -210,8 +231,17 @@ class PipelineExecutor:
             seconds.append(elapsed)
         return seconds
 
-    def _put_step(self, step: StepInput) -> list[StageInput]:
-        """The step packed once on the host and put on every stage's devices in one `device_put`."""
+    def _put_step(self, step: StepInput, bitmask: np.ndarray | None = None,
+                  defer_sampling: bool = False) -> list[StageInput]:
+        """The step packed once on the host and put on every stage's devices in one `device_put`; a
+        bitmask goes to the last stage alone (its sampler)."""
         buf, layout = pack(step)
-        bufs = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
-        return [StageInput(b, layout, step.needs_full_sampler) for b in bufs]
+        arrays = [buf] * len(self.stages) + ([bitmask] if bitmask is not None else [])
+        put = jax.device_put(arrays, [stage.replicated for stage in self.stages]
+                             + ([self.stages[-1].replicated] if bitmask is not None else []))
+        inputs = [StageInput(b, layout, step.needs_full_sampler) for b in put[:len(self.stages)]]
+        if bitmask is not None:
+            inputs[-1] = inputs[-1]._replace(bitmask=put[-1])
+        if defer_sampling:
+            inputs[-1] = inputs[-1]._replace(defer_sampling=True)
+        return inputs

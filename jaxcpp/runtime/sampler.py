@@ -6,6 +6,8 @@ One step's sampling (`sample_step`), for each of the W rows the last stage hands
     history tables   clear the rows' slots that start a request, add the step's prompt tokens  (*)
     penalties        repetition (prompt + generated tokens), frequency and presence (generated tokens)  (*)
     min_tokens       the request's stop ids banned (-inf) until it has generated enough tokens  (*)
+    grammar mask     tokens a constrained row's grammar forbids (its bitmask bit clear) -> -inf
+                     (only in the programs for steps with a constrained row; the host picks them)
     draw             `sample`: greedy, or temperature -> min_p -> top_k -> top_p -> a seeded draw
     logprobs         log-softmax of the model's raw logits: the drawn token's, and the top MAX_LOGPROBS
                      (zeros when no row asks: on CPU they are not computed then)
@@ -83,17 +85,22 @@ def empty_history(num_slots: int, vocab_size: int) -> History:
     return History(jnp.zeros((num_slots, vocab_size), jnp.int32), jnp.zeros((num_slots, vocab_size), bool))
 
 
-def sample_step(x: SamplingInput, history: History | None) -> tuple[SampledTokens, History | None]:
+def sample_step(x: SamplingInput, history: History | None,
+                bitmask: jax.Array | None = None) -> tuple[SampledTokens, History | None]:
     """One step's sampling. `history` None: no row of the step has a history or a ban, and this program
     (a second one, traced for None) does neither: the host picks it from the step's own data
     (`StepInput.needs_full_sampler`), so a step without penalties or min_tokens pays nothing for them, on
-    any backend and without a device conditional."""
+    any backend and without a device conditional. `bitmask` ([W, ceil(V / 32)] int32): each row's
+    allowed tokens (structured outputs, `apply_bitmask`), data whatever the grammar; None (a step with
+    no constrained row) traces the programs without it, which the host picks the same way."""
     logits = x.logits
     if history is not None:
         history = _add_prompt_tokens(history, x)
         logits = apply_penalties(logits, *_rows_history(history, x.history_slot), x.presence_penalty,
                                  x.frequency_penalty, x.repetition_penalty)
         logits = _ban(logits, x.banned_ids)
+    if bitmask is not None:  # a step with a constrained row: the programs traced with a mask
+        logits = apply_bitmask(logits, bitmask)
     tokens = sample(logits, x.temperature, x.top_k, x.top_p, x.seeds, x.num_generated, x.min_p)
     rows = x.logits.shape[0]
     no_logprobs = (jnp.zeros(rows), jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS)))
@@ -103,6 +110,16 @@ def sample_step(x: SamplingInput, history: History | None) -> tuple[SampledToken
         counted = _slot_index(x.history_slot, history.counts.shape[0])
         history = history._replace(counts=history.counts.at[counted, tokens].add(1, mode="drop"))
     return SampledTokens(tokens, token_lp, top_ids, top_lp), history
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear may not be drawn: bit t % 32 of word t // 32 of a row ([W, words] int32,
+    the grammar library's layout). Only the V logits' bits are read: words may run past V (padding bits,
+    cropped here). An all-ones row (a free request) is an exact no-op."""
+    rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [W, words, 32]: no gather
+    allowed = bits.reshape(rows, -1)[:, :vocab] == 1
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _when(pred: jax.Array, fn: Any, operand: Any) -> Any:

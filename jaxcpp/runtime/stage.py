@@ -9,7 +9,8 @@
 The last stage's bucket program ends at the logits, padded with the sampling parameters to
 max_num_seqs rows, whatever the bucket; one sampler program then draws the tokens, their logprobs and
 keeps the penalties' per-request history (`jaxcpp.runtime.sampler`; the history is the last stage's
-donated device state, like its KV pages). The sampler
+donated device state, like its KV pages; four variants, which the host picks from the step's data: with
+or without the penalty history, with or without a grammar bitmask). The sampler
 (sorts for top-k / top-p, a threefry draw per row) is about a third of a bucket program's XLA compile
 time on CPU, so compiling it once instead of into every bucket cuts the cold start. Prompt
 log-probabilities (`echo`) need the logits of every prompt token, not only each sequence's last: the
@@ -46,6 +47,7 @@ from jaxcpp.models.config import LlamaConfig
 from jaxcpp.runtime.packing import unpack
 from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_history, logprobs_of, sample_step
 from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
+from jaxcpp.structured.constraint import bitmask_words
 
 
 class KVCacheSettings(NamedTuple):
@@ -69,16 +71,23 @@ class StageInput(NamedTuple):
     packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
     layout: Layout     # how to cut it apart (static: one per bucket)
     needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
+    bitmask: jax.Array | None = None  # [max_num_seqs, words] int32 on the last stage: constrained rows' allowed
+                                      # tokens (jaxcpp.structured); None: no constrained row, the maskless sampler
+    defer_sampling: bool = False      # the last stage stops at the logits: `Stage.sample` draws later, once
+                                      # the host has the mask (a constrained decode's token was still pending)
 
 
 class StepOutput(NamedTuple):
-    sampled: SampledTokens  # [max_num_seqs] rows: each sequence's token (rows past the batch: garbage)
+    sampled: SampledTokens | None  # [max_num_seqs] rows: each sequence's token (rows past the batch: garbage);
+                                   # None until `Stage.sample` for a step with deferred sampling
     logits: jax.Array       # [max_num_seqs, V] float32: fetched only when the step asked for them
     hidden: jax.Array       # [T, D]: the last layer's output, for prompt logprobs when a step asks
     batch: StageInput       # the step, for the prompt logprobs' targets
+    sampling: SamplingInput | None = None  # what a deferred draw samples from
 
     @property
     def tokens(self) -> jax.Array:
+        assert self.sampled is not None, "a step with deferred sampling was not sampled (Stage.sample)"
         return self.sampled.tokens
 
 
@@ -181,6 +190,7 @@ class Stage:
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         self._sampler = jax.jit(sample_step, donate_argnums=(1,), out_shardings=rep)
+        self._bitmask_aval = self._aval((max_num_seqs, bitmask_words(config.vocab_size)), np.int32)
         self.history: History | None = jax.jit(functools.partial(empty_history, max_num_seqs, config.vocab_size),
                                                 out_shardings=rep)() if self.is_last else None
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
@@ -240,8 +250,9 @@ class Stage:
                                         layout=layout).compile()
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
-                for history in (None, self.history):  # the plain and the full sampler program
-                    self._sampler.lower(sampling, history).compile()
+                for history in (None, self.history):  # the plain and the full sampler program,
+                    for bitmask in (None, self._bitmask_aval):  # each with and without a grammar mask
+                        self._sampler.lower(sampling, history, bitmask).compile()
                 self._sampler_compiled = True
 
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -312,11 +323,19 @@ class Stage:
         if not self.is_last:
             return out
         sampling, hidden = out
-        if batch.needs_full_sampler:  # penalties or min_tokens in the step: the program that has them
-            sampled, self.history = self._sampler(sampling, self.history)
+        step = StepOutput(None, sampling.logits, hidden, batch, sampling)
+        return step if batch.defer_sampling else self.sample(step, batch.bitmask)
+
+    def sample(self, step: StepOutput, bitmask: jax.Array | None) -> StepOutput:
+        """Draw the step's tokens (dispatched, not awaited). Penalties or min_tokens in the step: the
+        program that has them; a constrained row: the one with a mask (data: no program per grammar or
+        per mix of rows). Steps are sampled in submission order (the history is donated state)."""
+        assert step.sampling is not None
+        if step.batch.needs_full_sampler:
+            sampled, self.history = self._sampler(step.sampling, self.history, bitmask)
         else:
-            sampled, _ = self._sampler(sampling, None)
-        return StepOutput(sampled, sampling.logits, hidden, batch)
+            sampled, _ = self._sampler(step.sampling, None, bitmask)
+        return step._replace(sampled=sampled, sampling=None)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:
         """Only the first stage reads fed-back tokens; without any it reads zeros (no wait, same program)."""

@@ -23,7 +23,7 @@ from jaxcpp.head.mp_executor import free_port
 from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 from tests.pipeline.conftest import ENGINE_DEFAULTS, write_random_model
 
 pytestmark = pytest.mark.slow

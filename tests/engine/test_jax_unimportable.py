@@ -10,7 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_ONLY_TESTS = ["tests/engine/test_engine_fake.py", "tests/engine/test_scheduler.py",
-                   "tests/engine/test_prefix_cache.py", "tests/serving/test_server_fake.py"]
+                   "tests/engine/test_prefix_cache.py", "tests/serving/test_server_fake.py",
+                   "tests/structured/test_constraint.py", "tests/structured/test_grammar_pool.py",
+                   "tests/structured/test_tool_calls.py"]
 BLOCK_JAX = """
 import sys
 class NoJax:

@@ -12,7 +12,7 @@ import pytest
 
 from jaxcpp.config import ServerConfig
 from jaxcpp.serving.client import Client, Delta
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 from tests.serving.fakes import fake_engine
 
 MODEL = os.environ.get("JAXCPP_TEST_MODEL", "tiny")  # the bundled model unless told otherwise

@@ -233,7 +233,7 @@ def test_client_timeout_is_also_how_long_it_waits_to_connect(capsys) -> None:
     import time
 
     from jaxcpp.config import ServerConfig
-    from jaxcpp.serving.server import ServerThread
+    from jaxcpp.serving.lifecycle import ServerThread
     from tests.serving.test_client_errors import dead_target
 
     target = dead_target()

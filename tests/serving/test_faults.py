@@ -93,7 +93,7 @@ def test_a_fatal_fault_fails_every_stream_and_turns_the_server_not_serving(serve
 SERVE_WITH_A_FATAL_FAULT = textwrap.dedent("""
     import asyncio, sys
     from jaxcpp.config import ServerConfig
-    from jaxcpp.serving.server import serve
+    from jaxcpp.serving.lifecycle import serve
     from tests.serving.test_faults import faulty_engine
 
     def ready(server):

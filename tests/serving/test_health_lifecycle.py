@@ -22,7 +22,8 @@ import pytest
 from jaxcpp.config import ServerConfig
 from jaxcpp.core.engine import LLMEngine
 from jaxcpp.serving import AsyncClient, Client
-from jaxcpp.serving.server import SERVICE_NAME, Server, ServerThread
+from jaxcpp.serving.lifecycle import Server, ServerThread
+from jaxcpp.serving.server import SERVICE_NAME
 from tests.serving.conftest import MODEL, wait_until
 from tests.serving.fakes import FAKE_ENGINE_FLAGS, fake_engine
 

@@ -113,7 +113,7 @@ def check(route: str, body: dict[str, Any], status: int, answer: Any, events: li
 @pytest.fixture(scope="module")
 def http_server():
     from jaxcpp.config import ServerConfig
-    from jaxcpp.serving.server import ServerThread
+    from jaxcpp.serving.lifecycle import ServerThread
 
     engine = fake_engine(max_num_seqs=32, num_pages=1025)
     server = ServerThread(engine, ServerConfig(port=0, http_port=0)).start()

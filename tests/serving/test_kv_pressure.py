@@ -12,7 +12,7 @@ import pytest
 from jaxcpp.config import ServerConfig
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving import AsyncClient
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 from tests.serving.conftest import MODEL, wait_until
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_three_times_the_kv_pages_finishes_with_preemptions_and_exact_outputs() 
                 return await asyncio.gather(*(one(p) for p in PROMPTS))
 
         streamed = asyncio.run(main())
-        wait_until(lambda: server.server.servicer.num_in_flight == 0)
+        wait_until(lambda: server.server.admission.num_in_flight == 0)
         stats = server.server.engine_loop.submit(llm.engine.stats).result(timeout=30)
 
     print(f"KV pressure: {needed} pages needed of {NUM_PAGES}, "

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from jaxcpp.config import ServerConfig
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 from tests.serving.conftest import wait_until
 from tests.serving.fakes import expected_tokens, fake_engine
 

@@ -16,7 +16,7 @@ import pytest
 
 from jaxcpp import LLM, SamplingParams
 from jaxcpp.config import ServerConfig
-from jaxcpp.serving.server import ServerThread
+from jaxcpp.serving.lifecycle import ServerThread
 from tests.serving.conftest import wait_until
 
 pytestmark = pytest.mark.slow

@@ -66,12 +66,12 @@ def test_dead_and_slow_readers_are_cut_off_and_normal_streams_finish(serve) -> N
     assert normal_outputs == {i: expected_tokens([i + 1, 7], 200) for i in range(16)}
 
     # every stuck request was aborted: nothing runs, every page is back, no slot is held
-    wait_until(lambda: engine.stats().num_pages_used == 0 and server.server.servicer.num_in_flight == 0,
+    wait_until(lambda: engine.stats().num_pages_used == 0 and server.server.admission.num_in_flight == 0,
                timeout=30)
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_generation_tokens_total < 32 * 3000 / 4  # cut off long before their 3000 tokens
-    assert server.server.servicer.max_stream_backlog <= BUFFER + 1  # the server's memory bound
+    assert server.server.admission.max_stream_backlog <= BUFFER + 1  # the server's memory bound
 
     # a dead reader that finally reads gets what was buffered, then the clear status
     _, dead = stuck[0]
