@@ -39,7 +39,7 @@ from jaxcpp.core.executor import (
 )
 from jaxcpp.core.kv_transfer import KVOffer, KVPull, KVSource
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
-from jaxcpp.head.trace import TraceWriter
+from jaxcpp.pipe.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.kv_transport import KVTransport, PulledPages, gather_offer
 from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput

@@ -19,7 +19,7 @@ import pytest
 from jaxcpp import LLM, SamplingParams
 from jaxcpp.config import ServerConfig
 from jaxcpp.core.kv_transfer import page_bucket
-from jaxcpp.head.mp_executor import free_port
+from jaxcpp.head.supervision import free_port
 from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc

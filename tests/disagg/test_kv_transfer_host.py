@@ -3,6 +3,7 @@ consumer's choice of producer."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -137,8 +138,9 @@ def consumer_engine(timeout_s: float = 60.0):
 
     config = EngineConfig.from_kwargs(
         model="tiny", max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, log_stats_interval_s=0,
-        kv_transfer_config='{"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": %s}}'
-        % timeout_s, prefill_servers="p:1")
+        kv_transfer_config=json.dumps({"kv_role": "kv_consumer",
+                                       "kv_connector_extra_config": {"transfer_timeout_s": timeout_s}}),
+        prefill_servers="p:1")
     engine = LLMEngine(config, executor=FakeExecutor())
     remote = _FakeRemote()
     engine.attach_remote_prefill(remote)
