@@ -100,8 +100,7 @@ class LLMEngine:
         self.kv_layout = self.sizing.kv_layout()
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._consumer: KVConsumer | None = None   # disaggregation's engine side (`jaxcpp.core.disaggregation`)
-        self._producer = KVProducer(executor, self.sizing.page_size) if self.kv is not None and self.kv.produces \
-            else None
+        self._producer = KVProducer(executor, self.sizing.page_size) if self.kv and self.kv.produces else None
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self._compiling: list[Sequence] = []  # constrained requests whose grammar is still compiling
         # async scheduling + an executor that can draw a step's tokens after its forward: a constrained
