@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from jaxcpp.core.sizing import page_bytes
-from jaxcpp.head.mp_executor import free_port
+from jaxcpp.head.supervision import free_port
 from jaxcpp.serving.client import AsyncClient, Client
 
 HERE = Path(__file__).resolve().parent

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxcpp.runtime.stage_process import pin_to_cores
+from jaxcpp.runtime.stage_setup import pin_to_cores
 from jaxcpp.serving.client import AsyncClient
 
 
@@ -393,7 +393,7 @@ class LocalServer:
     for those cores; by default every thread is pinned once the server is up instead: the pool keeps a
     thread per machine core, and jax's transfer server, which sends on that pool, is not held behind
     the computations (stage processes, whose one thread waits for each forward anyway, run forwards
-    inline instead: `jaxcpp.runtime.stage_process.run_forwards_inline_on_cores`)."""
+    inline instead: `jaxcpp.runtime.stage_setup.run_forwards_inline_on_cores`)."""
 
     def __init__(self, serve_args: list[str], cpus: list[int] | None = None, pin_at_exec: bool = False) -> None:
         cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--port", "0", "--http-port", "0",

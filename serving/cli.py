@@ -115,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.is_multi_host:
-        from jaxcpp.head.cluster import shared_control_key
+        from jaxcpp.pipe.cluster import shared_control_key
 
         shared_control_key()  # before anything starts: refused without a shared key (ConfigError)
         if engine_config.parallel.process_id:  # a stage worker
@@ -186,7 +186,7 @@ def _addresses(server: Any) -> str:
 def _serve_stage(parallel: Any) -> int:
     """Host I > 0 of a multi-host pipeline: run stage I for the head (process 0), which owns the
     engine and the gRPC server and sends this process its config; exits when the head stops it."""
-    from jaxcpp.head.cluster import Addresses
+    from jaxcpp.pipe.cluster import Addresses
     from jaxcpp.runtime.stage_process import serve_stage
 
     addresses = Addresses.of(parallel)

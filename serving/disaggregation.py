@@ -4,12 +4,13 @@ The consumer is the entry for clients (as llm-d's decode-side sidecar and NVIDIA
 are): it reserves a request's pages first, so it knows which prefix it already holds and asks only for
 the rest, and it streams every token itself, without a proxy hop. For each request it picks the
 least-loaded compatible producer (fewest prefills this consumer has running there), sends it the
-prompt with max_tokens 1 and a `KvTransferRequest`, reads back the first token and the `KvOffer`, and
-pulls the pages through the engine's executor, in a worker thread; the engine writes them into its
-pages before its next step (`LLMEngine._remote_prefills`).
+prompt with max_tokens 1 and a `KvTransferRequest`, and hands the first token and the `KvOffer` to the
+engine, which pulls the pages on its own thread and writes them into its pages in order with its steps
+(`jaxcpp.core.disaggregation`). This side calls producers only; it never touches the executor.
 
 Failures: a producer that cannot be reached, dies during the call or whose pages do not arrive within
-the transfer timeout is skipped for `PRODUCER_DOWN_S` and the request goes to the next producer (nothing
+the transfer timeout (the engine hands the job back: `retry`) is skipped for `PRODUCER_DOWN_S` and the
+request goes to the next producer (nothing
 has been streamed yet, and the seed travels with the request, so the retry samples the same first
 token); with none left the request fails naming each producer's error. A producer whose KV layout
 differs from the consumer's is refused at its first contact, with both sides named, and never used.
@@ -54,7 +55,7 @@ def connect_producers(engine: Any, api_key: str | None) -> GrpcRemotePrefill | N
     servers = engine.config.kv_transfer.prefill_server_list() if kv is not None else []
     if not (kv is not None and kv.consumes and servers):
         return None
-    remote = GrpcRemotePrefill(servers, engine.kv_layout, engine.executor, kv.transfer_timeout_s, api_key)
+    remote = GrpcRemotePrefill(servers, engine.kv_layout, api_key)
     engine.attach_remote_prefill(remote)
     return remote
 
@@ -133,11 +134,9 @@ class _Producer:
 class GrpcRemotePrefill:
     """`jaxcpp.core.kv_transfer.RemotePrefill` over the producers' gRPC APIs."""
 
-    def __init__(self, targets: list[str], layout: KVLayout, executor: Any, transfer_timeout_s: float,
-                 api_key: str | None = None, max_workers: int = 64) -> None:
+    def __init__(self, targets: list[str], layout: KVLayout, api_key: str | None = None,
+                 max_workers: int = 64) -> None:
         self._layout = layout
-        self._executor = executor
-        self._timeout_s = transfer_timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._targets = targets
         self._producers = [self._producer(t) for t in expand_targets(targets)]
@@ -146,7 +145,8 @@ class GrpcRemotePrefill:
         self._done: queue.SimpleQueue[RemoteDone] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._calls: dict[RemoteJob, Any] = {}   # each job's running Generate call
-        self._cancelled: set[RemoteJob] = set()
+        self._running: set[RemoteJob] = set()    # jobs with a worker (started or retried, not ended)
+        self._cancelled: set[RemoteJob] = set()  # of those, the ones the engine gave up
         self._transfer_ids = itertools.count(secrets.randbits(62))  # unique per consumer; a restart starts afresh
         self._readiness_listeners: list[Callable[[bool], None]] = []
         self._closed = threading.Event()
@@ -210,10 +210,26 @@ class GrpcRemotePrefill:
 
     # ---- RemotePrefill -------------------------------------------------------------------------
     def start(self, job: RemoteJob) -> None:
-        self._pool.submit(self._run, job)
+        self._submit(job, (), ())
+
+    def retry(self, done: RemoteDone, error: str) -> None:
+        """The engine could not pull `done`'s offer: its producer is passed over, the next one prefills it."""
+        log.warning("producer %s failed request %r (%s); trying another", done.producer, done.job.request_id, error)
+        with self._lock:
+            producer = next((p for p in self._producers if p.target == done.producer), None)
+        if producer is not None:
+            producer.down_until = time.monotonic() + PRODUCER_DOWN_S
+        self._submit(done.job, (*done.tried, done.producer), (*done.errors, f"producer {done.producer}: {error}"))
+
+    def _submit(self, job: RemoteJob, tried: tuple[str, ...], errors: tuple[str, ...]) -> None:
+        with self._lock:
+            self._running.add(job)
+        self._pool.submit(self._run, job, tried, errors)
 
     def cancel(self, job: RemoteJob) -> None:
         with self._lock:
+            if job not in self._running:
+                return  # its offer is the engine's now (being pulled), or it ended
             self._cancelled.add(job)
             call = self._calls.get(job)
         if call is not None:
@@ -236,31 +252,31 @@ class GrpcRemotePrefill:
                 p.channel.close()
 
     # ---- one job, in a worker thread -------------------------------------------------------------
-    def _run(self, job: RemoteJob) -> None:
+    def _run(self, job: RemoteJob, tried: tuple[str, ...], errors: tuple[str, ...]) -> None:
         try:
-            done = self._prefill(job)
+            done = self._prefill(job, list(tried), list(errors))
         except Exception as e:  # noqa: BLE001 - a bug here must end the request, not hang it
             log.exception("remote prefill of %r failed", job.request_id)
             done = RemoteDone(job, error=f"remote prefill failed: {e!r}")
         with self._lock:
+            self._running.discard(job)
             self._cancelled.discard(job)
         self._done.put(done)
 
-    def _prefill(self, job: RemoteJob) -> RemoteDone:
-        tried: set[str] = set()
-        errors: list[str] = []
-        while (producer := self._pick(tried)) is not None:
-            tried.add(producer.target)
+    def _prefill(self, job: RemoteJob, tried: list[str], errors: list[str]) -> RemoteDone:
+        """The first producer's offer, trying each in turn (`tried`, `errors`: a retried job's earlier ones)."""
+        while not self._is_cancelled(job) and (producer := self._pick(set(tried))) is not None:
             try:
-                return self._prefill_on(producer, job)
+                return self._prefill_on(producer, job, tuple(tried), tuple(errors))
             except _Fatal as e:
                 return RemoteDone(job, error=str(e))
             except _Retry as e:
                 log.warning("producer %s failed request %r (%s); trying another", producer.target, job.request_id, e)
                 errors.append(f"producer {producer.target}: {e}")
                 producer.down_until = time.monotonic() + PRODUCER_DOWN_S
-            if self._is_cancelled(job):
-                return RemoteDone(job, error="aborted")
+            tried.append(producer.target)
+        if self._is_cancelled(job):
+            return RemoteDone(job, error="aborted")
         refused = [p.refused for p in self._producers if p.refused is not None]
         reasons = errors + refused or [self.unready_reason() or "no producer"]
         # retryable unless every producer was refused for good (a KV layout that differs)
@@ -318,7 +334,8 @@ class GrpcRemotePrefill:
         if producer.refused is not None:
             log.error("%s", producer.refused)
 
-    def _prefill_on(self, producer: _Producer, job: RemoteJob) -> RemoteDone:
+    def _prefill_on(self, producer: _Producer, job: RemoteJob, tried: tuple[str, ...], errors: tuple[str, ...]
+                    ) -> RemoteDone:
         transfer_id = next(self._transfer_ids)
         request = pb.GenerateRequest(
             request_id=f"kv-{transfer_id:x}", token_ids=pb.TokenIds(ids=job.prompt_token_ids),
@@ -333,16 +350,9 @@ class GrpcRemotePrefill:
         if last is None or not last.HasField("kv_offer") or not tokens:
             raise _Retry("it finished without offering the pages")
         logprobs = [lp for r in responses for lp in r.logprobs]
-        deadline = time.monotonic() + self._timeout_s
-        try:
-            pulled = self._executor.pull_kv(offer_from_proto(last.kv_offer), transfer_id, deadline)
-        except Exception as e:  # noqa: BLE001 - jax's transfer errors (a closed connection) have no one type
-            raise _Retry(f"pulling its pages failed: {e}") from e
-        if pulled is None:
-            raise _Retry(f"its pages did not arrive within the transfer timeout ({self._timeout_s:g}s)")
-        return RemoteDone(job, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None, pulled,
-                          prefill_s=offered - started, transfer_s=time.perf_counter() - offered,
-                          transfer_bytes=pulled.nbytes)
+        return RemoteDone(job, tokens[0], _token_logprobs(logprobs[0]) if logprobs else None,
+                          offer_from_proto(last.kv_offer), transfer_id, producer.target,
+                          prefill_s=offered - started, tried=tried, errors=errors)
 
     def _call(self, producer: _Producer, job: RemoteJob, request: pb.GenerateRequest) -> list[Any]:
         with self._lock:

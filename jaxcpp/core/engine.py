@@ -30,18 +30,20 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
-from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, HostPhase, StepRequest, StepResult
-from jaxcpp.core.gc_heap import GcWatch, freeze_startup_heap, thaw
+from jaxcpp.core.disaggregation import KVConsumer, KVProducer, check_kv_transfer
+from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, StepRequest, StepResult
+from jaxcpp.core.gc_heap import freeze_startup_heap, thaw
 from jaxcpp.core.in_flight import InFlight
-from jaxcpp.core.kv_transfer import KVTransferRequest, RemoteDone, RemoteJob, RemotePrefill, TransferCounts
+from jaxcpp.core.kv_transfer import KVTransferRequest, RemotePrefill, TransferCounts
 from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestOutput
 from jaxcpp.core.page_allocator import PageAllocator
+from jaxcpp.core.phases import PhaseRecorder
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
 from jaxcpp.core.sequence import Sequence
 from jaxcpp.core.sizing import EngineSizing
@@ -97,8 +99,8 @@ class LLMEngine:
         self.kv = config.kv_transfer.settings()   # None: not disaggregated
         self.kv_layout = self.sizing.kv_layout()
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
-        self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
-        self._transfers = TransferCounts()
+        self._consumer: KVConsumer | None = None   # disaggregation's engine side (`jaxcpp.core.disaggregation`)
+        self._producer = KVProducer(executor, self.sizing.page_size) if self.kv and self.kv.produces else None
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
         self._compiling: list[Sequence] = []  # constrained requests whose grammar is still compiling
         # async scheduling + an executor that can draw a step's tokens after its forward: a constrained
@@ -118,16 +120,18 @@ class LLMEngine:
                                                   max_model_len=self.sizing.max_model_len)
 
     def attach_remote_prefill(self, remote: RemotePrefill) -> None:
-        """A consumer's producers: from now on a prompt is prefilled by one of them (`_remote_prefills`)."""
+        """A consumer's producers: from now on a prompt is prefilled by one of them (`KVConsumer`)."""
         assert self.kv is not None and self.kv.consumes, "a remote prefill is for a kv_consumer"
         self.remote = remote
+        self._consumer = KVConsumer(remote, self.executor, self.scheduler, self.sizing.page_size,
+                                    self.kv.transfer_timeout_s, self._output)
 
     def close(self) -> None:
         """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
         if self._grammars is not None:
             self._grammars.close()
-        if self.remote is not None:
-            self.remote.close()
+        if self._consumer is not None:
+            self._consumer.close()
         self.executor.close()
         self._phases.close()
         if self._frozen:
@@ -145,7 +149,7 @@ class LLMEngine:
         token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(token_ids, params, self.sizing, self.config.scheduler)
         if kv_transfer is not None:
-            self._check_kv_transfer(kv_transfer, token_ids, params)
+            check_kv_transfer(self._producer, kv_transfer, token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
@@ -153,7 +157,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.grammar = self._compile_grammar(params)
             self._compiling.append(seq)
-        if self.remote is not None and not params.reads_history_on_device and seq.grammar is None:
+        if self._consumer is not None and not params.reads_history_on_device and seq.grammar is None:
             self.scheduler.add_remote(seq)
         else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
             # or whose first token its own grammar masks (a constrained one)
@@ -184,16 +188,6 @@ class LLMEngine:
                 failed.append(dataclasses.replace(self._output(seq, []), error=str(error)))
         return failed
 
-    def _check_kv_transfer(self, kv_transfer: KVTransferRequest, token_ids: list[int],
-                           params: SamplingParams) -> None:
-        if self.kv is None or not self.kv.produces:
-            raise InvalidRequestError("kv_transfer", "this instance is not a kv_producer (--kv-transfer-config)")
-        if params.max_tokens != 1 or params.n != 1:
-            raise InvalidRequestError("max_tokens", "a prefill for a consumer samples one token (max_tokens 1, n 1)")
-        if kv_transfer.skip_pages > (len(token_ids) - 1) // self.sizing.page_size:
-            raise InvalidRequestError("kv_transfer.skip_pages", f"{kv_transfer.skip_pages} is more than the "
-                                      "prompt's whole pages before its last token")
-
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids):
         only ids of the vocabulary, since no other can be sampled (and the device indexes by them)."""
@@ -217,9 +211,8 @@ class LLMEngine:
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return
-        job = self._remote_jobs.pop(request_id, None)
-        if job is not None and self.remote is not None:
-            self.remote.cancel(job)  # its pull may still land: it is dropped, never written
+        if self._consumer is not None:
+            self._consumer.abort(request_id)  # its pull may still land: it is dropped, never written
         self.scheduler.finish(seq, reason, time.monotonic())
         self._aborted.append(self._output(seq, []))
 
@@ -233,8 +226,9 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if self._compiling:
             outputs += self._fail_bad_grammars()
-        if self.remote is not None:
-            outputs += self._remote_prefills()
+        if self._consumer is not None:  # a kv_consumer's remote prefills: pulled and admitted here
+            busy = self._in_flight or self.scheduler.running or self.scheduler.waiting
+            outputs += self._consumer.step(idle=not busy)
         submitted = collect = False
         try:
             submitted = self._pipe_has_room() and self._submit_next()
@@ -246,37 +240,6 @@ class LLMEngine:
         self.executor.record_host_phases(self._phases.take())
         self._log_stats(time.perf_counter() - start if submitted or collect else 0.0)  # busy time only
         return outputs
-
-    # ---- a consumer's remote prefills (disaggregation: `jaxcpp.core.kv_transfer`) -------------------
-    def _remote_prefills(self) -> list[RequestOutput]:
-        """Start the remote prefills pages allow, and admit the ones whose pages have arrived. With nothing
-        else to do, wait a little for one (the loop would spin otherwise)."""
-        assert self.remote is not None
-        for seq in [s for s in self.scheduler.remote if s.request_id not in self._remote_jobs]:
-            skip = self.scheduler.reserve_remote(seq)
-            if skip is None:
-                break  # first come, first served: later ones wait for pages too
-            job = self._remote_jobs[seq.request_id] = RemoteJob(seq.request_id, seq.prompt_token_ids, seq.params,
-                                                                seq.seed, skip)
-            self.remote.start(job)
-        idle = not (self._in_flight or self.scheduler.running or self.scheduler.waiting)
-        return [out for done in self.remote.done(wait_s=0.005 if idle else 0.0) for out in self._admit_remote(done)]
-
-    def _admit_remote(self, done: RemoteDone) -> list[RequestOutput]:
-        job = done.job
-        if self._remote_jobs.get(job.request_id) is not job:
-            return []  # aborted meanwhile: its pages are free already, its pull is dropped
-        del self._remote_jobs[job.request_id]
-        seq, skip, now = self.scheduler.requests[job.request_id], job.skip_pages, time.monotonic()
-        if done.error is not None:
-            self.scheduler.finish(seq, "error", now)
-            return [dataclasses.replace(self._output(seq, []), error=done.error, unavailable=done.unavailable)]
-        self.executor.import_kv(done.pulled, seq.pages[skip:])  # type: ignore[attr-defined]
-        self._transfers.add(done, len(seq.prompt_token_ids) - skip * self.sizing.page_size)
-        if done.logprobs is not None and seq.params.logprobs is not None:
-            seq.logprobs.append(done.logprobs)
-        self.scheduler.admit_remote(seq, done.first_token, now)
-        return [self._output(seq, [done.first_token])]
 
     def _log_stats(self, busy_s: float) -> None:
         self._stats.add_busy(busy_s)
@@ -359,7 +322,8 @@ class LLMEngine:
             raise
         self._in_flight.popleft()
         with phase("postprocess"):
-            self._offer_kv_pages(sched)
+            if self._producer is not None:
+                self._producer.offer(sched)  # before postprocess frees the pages
             sampled = self.scheduler.postprocess(sched, result, time.monotonic())
             self._stats.count_sampled(len(sampled))
             outputs = [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
@@ -379,16 +343,6 @@ class LLMEngine:
         except ExecutorError:
             self._released.add(pending.step_id)
             raise
-
-    def _offer_kv_pages(self, sched: SchedulerOutput) -> None:
-        """A producer's prefills that sampled their (one) token: offer the prompt's pages to their consumer
-        before postprocess frees them. The gathers go to the executor before any later step, which may
-        then reuse the pages."""
-        for chunk in sched.chunks:
-            seq, ask = chunk.seq, chunk.seq.kv_transfer
-            if chunk.samples and ask is not None and not seq.is_finished:
-                seq.kv_offer = self.executor.offer_kv(  # type: ignore[attr-defined]
-                    ask.transfer_id, seq.pages[ask.skip_pages:seq.num_prompt_pages(self.sizing.page_size)])
 
     def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Garbage from a device must not become a request's output: ids outside the vocabulary fail the
@@ -446,6 +400,7 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        transfers = self._consumer.transfers if self._consumer is not None else TransferCounts()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.remote),  # a consumer's: prefilling elsewhere
@@ -460,10 +415,10 @@ class LLMEngine:
             num_prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             num_pages_cached=self.allocator.num_cached,
             num_prefix_cache_evictions_total=self.allocator.num_evictions,
-            num_kv_transfers_total=self._transfers.transfers, num_kv_transfer_bytes_total=self._transfers.bytes,
-            num_kv_transfer_tokens_total=self._transfers.tokens,
-            num_kv_transfer_microseconds_total=self._transfers.microseconds,
-            num_remote_prefill_microseconds_total=self._transfers.prefill_microseconds)
+            num_kv_transfers_total=transfers.transfers, num_kv_transfer_bytes_total=transfers.bytes,
+            num_kv_transfer_tokens_total=transfers.tokens,
+            num_kv_transfer_microseconds_total=transfers.microseconds,
+            num_remote_prefill_microseconds_total=transfers.prefill_microseconds)
 
     def model_info(self) -> ModelInfo:
         c, m = self.config, self.sizing.spec.config
@@ -494,37 +449,6 @@ def check_request(token_ids: list[int], params: SamplingParams, sizing: EngineSi
     if not scheduler.enable_chunked_prefill and len(token_ids) > budget:
         raise InvalidRequestError("prompt", f"has {len(token_ids)} tokens; without chunked prefill a "
                                   f"prompt must fit --max-num-batched-tokens {budget}")
-
-
-class PhaseRecorder:
-    """The engine loop's own time, phase by phase (`HostPhase`), handed to the executor's trace, and the
-    garbage collector's pauses as phase "gc" of the step being timed (every thread waits for those)."""
-
-    def __init__(self) -> None:
-        self._done: list[HostPhase] = []
-        self._step = 0
-        self._gc = GcWatch(lambda start, end: self._done.append(HostPhase("gc", self._step, start, end)))
-
-    def timer(self, step: int) -> Callable[[str], AbstractContextManager[None]]:
-        """`with timer("build"): ...` records that phase of step `step`."""
-        self._step = step
-
-        @contextmanager
-        def phase(name: str) -> Iterator[None]:
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._done.append(HostPhase(name, step, start, time.perf_counter()))
-
-        return phase
-
-    def take(self) -> list[HostPhase]:
-        done, self._done = self._done, []
-        return done
-
-    def close(self) -> None:
-        self._gc.close()
 
 
 def build_executor(config: EngineConfig, spec: ModelSpec) -> tuple[Executor, EngineSizing]:

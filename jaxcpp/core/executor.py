@@ -38,9 +38,17 @@ device surfaces as `ExecutorError` from submit or collect; the engine fails the 
 An executor that can fail on its own (a stage process that dies while the engine idles) also tells
 its failure listeners at once; the others never call them.
 
+Disaggregation adds two sub-protocols, each reached only through the engine, on its thread
+(`jaxcpp.core.disaggregation`): a producer's `offer_kv` (`KVProducerExecutor`) and a consumer's
+`pull_kv` / `kv_arrived` / `import_kv` (`KVConsumerExecutor`). A pull returns at once; the engine asks
+`kv_arrived` (never blocking) each step and imports the pages in order with its steps, so no step waits
+for a transfer.
+
 Implementations: `jaxcpp.runtime.pipeline.PipelineExecutor` (P stages in this process, P = 1 included),
 `jaxcpp.head.mp_executor.MultiProcessExecutor` (one process per stage) and
-`jaxcpp.core.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax).
+`jaxcpp.core.fake_executor.FakeExecutor` (deterministic tokens, modelled step times, no jax). The
+in-process one and the fake are both KV sub-protocols; the multi-process one only offers (a consumer's
+stages run in its process: `--kv-transfer-config` says so).
 """
 
 from __future__ import annotations
@@ -51,11 +59,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxcpp.core.kv_transfer import KVOffer, KVPull
 from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.core.step_result import Logprobs, StageTiming, StepResult
 
-__all__ = ["Executor", "ExecutorError", "FailureListener", "HostPhase", "Logprobs", "StageTiming", "StepRequest",
-           "StepResult"]
+__all__ = ["Executor", "ExecutorError", "FailureListener", "HostPhase", "KVConsumerExecutor", "KVProducerExecutor",
+           "Logprobs", "StageTiming", "StepRequest", "StepResult"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,3 +144,28 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class KVProducerExecutor(Executor, Protocol):
+    """A producer's executor: it offers a prefilled request's pages to the consumer that asked."""
+
+    def offer_kv(self, transfer_id: int, pages: list[int]) -> KVOffer:
+        """Gather `pages` (in order with the steps, so later steps may reuse them) and offer them under
+        `transfer_id` for the transfer timeout; returns at once."""
+        ...
+
+
+class KVConsumerExecutor(Executor, Protocol):
+    """A consumer's executor: it pulls a producer's offer onto its devices and writes it into its pages."""
+
+    def pull_kv(self, offer: KVOffer, transfer_id: int) -> KVPull:
+        """Start pulling `offer`; returns at once, the arrays arrive while steps run."""
+        ...
+
+    def kv_arrived(self, pull: KVPull) -> bool:
+        """Whether every array of `pull` is here (never blocks); raises when the transfer failed."""
+        ...
+
+    def import_kv(self, pull: KVPull, pages: list[int]) -> None:
+        """Write an arrived pull into `pages` (in order with the steps)."""
+        ...

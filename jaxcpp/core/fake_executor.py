@@ -14,7 +14,8 @@ batch when stage s-1 finished it and stage s finished the previous one): the tim
 what a real pipeline would measure under that model. `step_delay_s` really sleeps in `collect`, for
 tests of a server under a slow engine. A step submitted with `feedback_from` reads its placeholder
 decodes' input tokens from that step's tokens and starts once that step has left the last stage.
-It never fails on its own (`add_failure_listener` keeps nothing).
+It never fails on its own (`add_failure_listener` keeps nothing). It is both KV sub-protocols
+(disaggregation): it records offers and imports, and a pull arrives at once unless a test holds it.
 Shapes count as programs: a step whose shape was not warmed up counts as a compilation, so the
 compile guard means the same here as on a device.
 """
@@ -25,11 +26,14 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.core.executor import FailureListener, HostPhase, Logprobs, StageTiming, StepRequest, StepResult
+from jaxcpp.core.kv_transfer import KVOffer, KVPull, KVSource
 from jaxcpp.core.step_input import StepInput, StepShape
 from jaxcpp.sampling_params import MAX_LOGPROBS
 
@@ -92,6 +96,17 @@ def modelled_seconds(model: LatencyModel, step: StepInput) -> float:
                  + np.sum(model.gamma * prefix + model.a * (2 * prefix * x + x * x)))
 
 
+@dataclass
+class FakePull:
+    """A pull of the fake executor: it arrives when `arrived` is True (at once, unless a test holds it); an
+    exception there is a transfer that failed."""
+
+    transfer_id: int
+    num_pages: int
+    arrived: bool | Exception = True
+    nbytes: int = 0
+
+
 class FakeExecutor:
     def __init__(self, *, num_stages: int = 1, next_token: NextToken = printable_next_token,
                  eos_token_id: int | None = None, eos_after: int | None = None,
@@ -112,6 +127,10 @@ class FakeExecutor:
         self._programs: set[tuple[int, int]] = set()
         self._compilations = 0
         self._warm = False
+        self.offered: list[tuple[int, list[int]]] = []  # (transfer id, pages) of each offer_kv
+        self.pulls: list[FakePull] = []                 # each pull_kv's, in order
+        self.pulls_arrive = True                        # False: a pull lands when a test sets its `arrived`
+        self.imported: list[FakePull] = []              # each pull written by import_kv
 
     @staticmethod
     def expected_tokens(prompt: list[int], n: int, next_token: NextToken = printable_next_token) -> list[int]:
@@ -173,6 +192,25 @@ class FakeExecutor:
 
     def close(self) -> None:
         pass
+
+    # ---- the KV sub-protocols (disaggregation): offers and pulls that exist only here -------------
+    def offer_kv(self, transfer_id: int, pages: list[int]) -> KVOffer:
+        self.offered.append((transfer_id, list(pages)))
+        return KVOffer((KVSource("fake", 0, 1),), len(pages))
+
+    def pull_kv(self, offer: KVOffer, transfer_id: int) -> FakePull:
+        self.pulls.append(FakePull(transfer_id, offer.num_pages, arrived=self.pulls_arrive))
+        return self.pulls[-1]
+
+    def kv_arrived(self, pull: KVPull) -> bool:
+        arrived = cast(FakePull, pull).arrived
+        if isinstance(arrived, Exception):
+            raise arrived  # a failed transfer
+        return arrived
+
+    def import_kv(self, pull: KVPull, pages: list[int]) -> None:
+        assert len(pages) == cast(FakePull, pull).num_pages, (pages, pull)
+        self.imported.append(cast(FakePull, pull))
 
     # ---- internals -----------------------------------------------------------------------------
     def _tokens(self, step: StepInput) -> np.ndarray:

@@ -8,9 +8,11 @@
     every stage: gather its layers' pages into
     one array per layer (a page-count bucket),
     offer them under transfer_id (await_pull)
-    last response: first token + KVOffer ----------> pull each stage's arrays straight onto its devices
-                                                     (jax.experimental.transfer), scatter them into its
-                                                     own pages, then decode from the first token
+    last response: first token + KVOffer ----------> the engine, on its thread: pull each stage's arrays
+                                                     straight onto its devices (jax.experimental.transfer;
+                                                     returns at once), poll their arrival each step,
+                                                     scatter them into its own pages, then decode from
+                                                     the first token (`jaxcpp.core.disaggregation`)
 
 The arrays go stage to device over jax's transfer servers, never through a Python head; the gRPC
 messages carry ids, addresses and the first token. A gathered copy is the handoff: the producer's pages
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from jaxcpp.core.outputs import TokenLogprobs
 from jaxcpp.sampling_params import SamplingParams
@@ -108,22 +110,33 @@ class RemoteJob:
 
 @dataclass(frozen=True)
 class RemoteDone:
-    """A remote prefill that ended: its first token and pulled pages (arrived, not yet written), or why not."""
+    """A remote prefill's end: the producer's first token and its offer of the pages (the engine then pulls
+    them, `jaxcpp.core.disaggregation`), or why no producer could prefill it. `tried` and `errors` are the
+    remote side's own: a pull that fails hands them back (`RemotePrefill.retry`)."""
 
     job: RemoteJob
     first_token: int = -1
     logprobs: TokenLogprobs | None = None
-    pulled: Any = None        # the executor's pull (`pull_kv`), for `import_kv`
+    offer: KVOffer | None = None
+    transfer_id: int = 0
+    producer: str = ""        # the producer that offered, as --prefill-servers names it
     error: str | None = None
     unavailable: bool = False  # the error is no producer being able to take it now: a retry may succeed
     prefill_s: float = 0.0    # the producer's call: queue, prefill, first token
-    transfer_s: float = 0.0   # from its offer to the pages' arrival
-    transfer_bytes: int = 0
+    tried: tuple[str, ...] = ()   # producers tried before this one
+    errors: tuple[str, ...] = ()  # and how each failed
+
+
+class KVPull(Protocol):
+    """An executor's pull of one offer (`KVConsumerExecutor.pull_kv`), arriving while the engine steps."""
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass
 class TransferCounts:
-    """A consumer's totals of what `RemoteDone`s brought (EngineStats' num_kv_transfer* counts)."""
+    """A consumer's totals of the pulls it imported (EngineStats' num_kv_transfer* counts)."""
 
     transfers: int = 0
     bytes: int = 0
@@ -131,19 +144,26 @@ class TransferCounts:
     microseconds: int = 0
     prefill_microseconds: int = 0
 
-    def add(self, done: RemoteDone, tokens: int) -> None:
+    def add(self, nbytes: int, tokens: int, transfer_s: float, prefill_s: float) -> None:
         self.transfers += 1
-        self.bytes += done.transfer_bytes
+        self.bytes += nbytes
         self.tokens += tokens
-        self.microseconds += round(done.transfer_s * 1e6)
-        self.prefill_microseconds += round(done.prefill_s * 1e6)
+        self.microseconds += round(transfer_s * 1e6)
+        self.prefill_microseconds += round(prefill_s * 1e6)
 
 
 class RemotePrefill(Protocol):
     """How a consumer's engine has its prompts prefilled elsewhere (`jaxcpp.serving.disaggregation`: over
-    gRPC, with the least-loaded producer). `start` and `cancel` return at once; the work runs in threads."""
+    gRPC, with the least-loaded producer). Its end is the producer's offer, which the engine pulls itself
+    on its own thread (`jaxcpp.core.disaggregation`). `start`, `retry` and `cancel` return at once; the
+    calls to producers run in threads."""
 
     def start(self, job: RemoteJob) -> None: ...
+
+    def retry(self, done: RemoteDone, error: str) -> None:
+        """The pull of `done`'s offer failed (`error`): pass its producer over for a while and prefill the
+        job on the next one; its end comes from `done` again, a failure naming every producer's error."""
+        ...
 
     def cancel(self, job: RemoteJob) -> None: ...
 

@@ -17,7 +17,7 @@ On one host (`--distributed-executor-backend mp`) the head spawns the P stage pr
 127.0.0.1. With `--num-processes P --process-id I` every host runs `jaxcpp serve`: process 0 is the head
 and spawns stage 0 beside itself, host I runs stage I (`jaxcpp.runtime.stage_process.serve_stage`); the
 control channel listens on the coordinator's port + 1, and each stage advertises its host's address
-(`jaxcpp.head.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
+(`jaxcpp.pipe.cluster`: the head hands its own to the stage it spawns). A spawned stage's stderr
 passes through the head, which keeps its last lines to say why it ended.
 
 One reader thread per stage receives what the stage sends (timings, the last stage's results,
@@ -26,27 +26,22 @@ replies); a closed connection means the stage process ended, and every waiting o
 milliseconds of the death, well inside the 2 s the contract asks. The stages run their micro-batches
 in submission order and each blocks on its own output, so up to P micro-batches are in flight (P + 1
 outstanding with async scheduling, whose fed-back tokens the first stage pulls from the last).
+
+The head by job: this module is the executor proper (submit / collect, the readers, timings, failures,
+KV offers); `jaxcpp.head.supervision` spawns, watches and stops the stage processes and picks ports;
+`jaxcpp.head.startup` runs the start-up handshake and sizing. The wire format, the cluster's addresses
+and the trace are shared with the stage side, owned by neither (`jaxcpp.pipe`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import logging
-import os
 import queue
-import random
-import re
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from multiprocessing.connection import Listener
-from multiprocessing.connection import wait as connection_wait
 from typing import Any
 
 from jaxcpp.config import EngineConfig
@@ -61,122 +56,22 @@ from jaxcpp.core.executor import (
     StepResult,
 )
 from jaxcpp.core.kv_transfer import KVOffer, KVSource
-from jaxcpp.core.sizing import EngineSizing, dtype_on_backend
+from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.step_input import StepShape, pack, padding_step
-from jaxcpp.head import wire
-from jaxcpp.head.cluster import CONTROL_KEY_ENV, Addresses, shared_control_key, split_host_port
-from jaxcpp.head.trace import TraceWriter
+from jaxcpp.head.startup import StageHandshake
+from jaxcpp.head.supervision import StageLink, accept_stages, free_port, how_it_ended, spawn_stage, stop_stage
 from jaxcpp.models.spec import ModelSpec
+from jaxcpp.pipe import wire
+from jaxcpp.pipe.cluster import Addresses, shared_control_key, split_host_port
+from jaxcpp.pipe.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = float(os.environ.get("JAXCPP_STAGE_START_TIMEOUT_S", "600"))
-PIN_ENV = "JAXCPP_PIN_STAGE_CORES"   # "1": each stage on its own cores, single-threaded XLA:CPU
 MAX_KEPT = 100_000                   # timing records kept for timings() / probes()
 STOP_GRACE_S = 5.0                   # a stage told to stop gets this long before it is killed
 FAILED_STOP_GRACE_S = 0.5            # ... after a failure, when it may be blocked on a dead peer
 WARMUP_STEP_ID = -1                  # its own step (the scheduler's are >= 0)
 PEER_DEATH_WAIT_S = 0.5              # a stage's error waits this long for a dead peer's to come first
-
-
-@dataclasses.dataclass
-class _StageLink:
-    index: int
-    conn: Any = None
-    pid: int | None = None
-    host: str = ""
-    address: str = ""                      # the address it advertises (its transfer server binds it)
-    transfer: str = ""                     # its transfer server, once ready
-    layers: tuple[int, int] = (0, 0)       # its layers [start, end), once ready
-    compilations: int = 0                  # the stage's own count, as of its latest message
-    sized: tuple[str, int] | None = None   # the (dtype, KV pages) it built, as it reported them
-    clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
-    process: subprocess.Popen[bytes] | None = None   # when the head spawned it
-    log_tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))
-    reader: threading.Thread | None = None
-    log_reader: threading.Thread | None = None
-    replies: queue.SimpleQueue[dict[str, Any]] = dataclasses.field(default_factory=queue.SimpleQueue)
-    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    def where(self) -> str:
-        """pid, host and addresses, for error messages: what an operator needs to find the stage."""
-        if self.pid is None:
-            return f"pid {self.process.pid}, not connected" if self.process is not None else ""
-        transfer = f", transfer server {self.transfer}" if self.transfer else ""
-        return f"pid {self.pid} on {self.host} at {self.address}{transfer}"
-
-    def error(self, message: str) -> ExecutorError:
-        return ExecutorError(message, stage=self.index, where=self.where())
-
-
-# Where free_port draws from: above the well-known services' ports, below the kernel's ephemeral range.
-_FREE_PORTS_FROM = 10000
-_DEFAULT_EPHEMERAL = (32768, 60999)
-
-
-def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
-    """The range the kernel takes outgoing connections' source ports from (Linux's default elsewhere)."""
-    try:
-        with open(path) as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return _DEFAULT_EPHEMERAL
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, for a server that another process binds seconds later.
-
-    Drawn below the ephemeral range: a port the kernel hands out for a bind to 0 lies in that range, where
-    outgoing connections take their source ports, and once on a busy machine such a port was taken
-    before stage 0 bound it (its jax.distributed coordinator then failed: "Failed to start RPC server")."""
-    low = ephemeral_ports()[0]
-    below = range(_FREE_PORTS_FROM, low)
-    for port in random.sample(below, 64) if len(below) >= 1024 else ():
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no room below the ephemeral range, or none of 64 free: the kernel's choice
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def how_it_ended(ln: _StageLink, wait_s: float = 1.0) -> str:
-    process = ln.process
-    if process is None:
-        return "its control connection closed (process gone, or its host unreachable: see that host's log)"
-    try:
-        code = process.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        return f"process {process.pid} closed its control connection"
-    if ln.log_reader is not None:
-        ln.log_reader.join(timeout=0.5)  # its last lines, still in the pipe
-    if code < 0 and -code in (signal.SIGKILL, signal.SIGTERM):  # killed from outside: its log says nothing
-        return f"process {process.pid} was killed by {signal.Signals(-code).name}"
-    ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    last = last_words(ln.log_tail) if code != 0 else ""
-    return f"process {process.pid} {ended}" + (f"; its log ends: {last}" if last else "")
-
-
-def last_words(lines: collections.deque[str]) -> str:
-    """Why a process died, from its last log lines: jax's fatal line (a failed CHECK in native code),
-    else its last line (a Python exception's)."""
-    fatal = [line for line in lines if re.match(r"F\d{4} ", line)]
-    last = fatal[-1] if fatal else (lines[-1] if lines else "")
-    return last if len(last) <= 400 else last[:400] + " ..."
-
-
-def forward_log(ln: _StageLink, stream: Any) -> None:
-    """A spawned stage's stderr, passed on to the head's; the lines that are not stack frames are kept."""
-    for raw in stream:
-        line = raw.decode(errors="replace")
-        sys.stderr.write(line)
-        if line.strip() and not line.startswith((" ", "\t", "***")):
-            ln.log_tail.append(line.rstrip())
-    sys.stderr.flush()
 
 
 class MultiProcessExecutor:
@@ -209,7 +104,7 @@ class MultiProcessExecutor:
         self._traced = False
         self._shape: StepShape | None = None
         self._trace: TraceWriter | None = None
-        self.links = [_StageLink(s) for s in range(self.num_stages)]
+        self.links = [StageLink(s) for s in range(self.num_stages)]
         if p.stand_in_latency is not None:
             log.warning("STAND-IN DEVICE (--stand-in-latency %s, jitter %g): the stage processes run no model, "
                         "each forward is a timed wait and the tokens are not a model's; for benchmarks and "
@@ -233,11 +128,12 @@ class MultiProcessExecutor:
         self._coordinator = coordinator
         self._listener = Listener(listen, authkey=authkey)
         accepted: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        threading.Thread(target=self._accept, args=(accepted,), name="jaxcpp-stage-accept", daemon=True).start()
+        threading.Thread(target=accept_stages, args=(self._listener, accepted), name="jaxcpp-stage-accept",
+                         daemon=True).start()
         for s in spawn:
-            self._spawn(self.links[s], control_port, authkey, advertise)
+            spawn_stage(self.links[s], control_port, authkey, advertise)
         try:
-            self._handshake(accepted)
+            self.sizing = StageHandshake(self._config, self._spec, self.links, coordinator).run(accepted)
         except BaseException:
             self.close()
             raise
@@ -249,125 +145,7 @@ class MultiProcessExecutor:
                                          daemon=True)
             ln.reader.start()
 
-    def _spawn(self, ln: _StageLink, control_port: int, authkey: bytes, advertise: str) -> None:
-        env = {**os.environ, CONTROL_KEY_ENV: authkey.hex()}
-        env.pop("XLA_FLAGS", None)  # the stage sets its own device count (the head's is not its)
-        cmd = [sys.executable, "-m", "jaxcpp.runtime.stage_process", "--control", f"127.0.0.1:{control_port}",
-               "--stage", str(ln.index), "--advertise-address", advertise, "--parent-pid", str(os.getpid())]
-        ln.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        ln.log_reader = threading.Thread(target=forward_log, args=(ln, ln.process.stderr),
-                                         name=f"jaxcpp-stage{ln.index}-log", daemon=True)
-        ln.log_reader.start()
-
-    def _accept(self, accepted: queue.SimpleQueue[Any]) -> None:
-        while True:
-            try:
-                accepted.put(self._listener.accept())
-            except OSError:   # closed
-                return
-            except Exception as e:  # noqa: BLE001 - a bad handshake (wrong key) must not stop accepting
-                log.warning("refused a control connection: %s", e)
-
-    def _handshake(self, accepted: queue.SimpleQueue[Any]) -> None:
-        """Every stage says hello and gets the config; then each loads and places its layers."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        waiting = set(range(self.num_stages))
-        while waiting:
-            self._check_spawned(deadline, waiting)
-            try:
-                conn = accepted.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            wire.no_delay(conn)
-            hello, _ = wire.recv(conn)
-            s = hello.get("stage")
-            if s not in waiting:
-                wire.send(conn, {"op": "refused", "reason": f"stage {s} is not awaited (have "
-                                 f"{self.num_stages} stages; waiting for {sorted(waiting)})"})
-                conn.close()
-                continue
-            waiting.discard(s)
-            ln = self.links[s]
-            ln.conn, ln.pid, ln.host, ln.address = conn, hello["pid"], hello["host"], hello["address"]
-            if ln.host != socket.gethostname():
-                ln.clock_offset = time.perf_counter() - hello["clock"]  # one-way latency ignored
-            wire.send(conn, self._setup_for(s))
-        self._size_stages(deadline)
-        self._await_ready(deadline)
-
-    def _size_stages(self, deadline: float) -> None:
-        """Every stage says which backend it holds; the head resolves `--dtype auto` on it, sizes the engine
-        once and sends that sizing to every stage, which builds its layers and KV pages from it."""
-        backends = {ln.index: header["backend"] for ln, header in self._await_all("backend", deadline)}
-        if len(set(backends.values())) > 1:
-            raise ExecutorError(f"the stages hold different backends (stage: backend): {backends}")
-        dtype = dtype_on_backend(self._config.model.dtype, backends[0])
-        if dtype != self._config.model.dtype:
-            log.info("--dtype auto on the stages' %s backend: %s", backends[0], dtype)
-        self.sizing = EngineSizing.plan(self._config, self._spec.with_dtype(dtype))
-        for ln in self.links:
-            wire.send(ln.conn, {"op": "sizing", "sizing": self.sizing.to_message()})
-
-    def _await_ready(self, deadline: float) -> None:
-        """Each stage loads in parallel and says what it built; it must be what the head sized."""
-        sized = (self.sizing.spec.config.dtype, self.sizing.num_pages)
-        for ln, header in self._await_all("ready", deadline):
-            ln.transfer = header["transfer"]
-            ln.layers = (header["layers"][0], header["layers"][1])
-            ln.sized = (header["dtype"], header["num_pages"])
-            if ln.sized != sized:
-                raise ln.error(f"built (dtype, KV pages) {ln.sized}, the head sized {sized}")
-            log.info("stage %d of %d ready: %s, layers %d-%d, devices %s", ln.index, self.num_stages,
-                     ln.where(), header["layers"][0], header["layers"][1] - 1, ",".join(header["devices"]))
-
-    def _await_all(self, op: str, deadline: float) -> list[tuple[_StageLink, dict[str, Any]]]:
-        """Every stage's start-up message `op`, in stage order. The first stage that fails (an error, or its
-        process ended) stops the start-up at once: the others may wait on it inside jax.distributed."""
-        waiting, got = {ln.index: ln for ln in self.links}, []
-        while waiting:
-            if time.monotonic() > deadline:
-                raise ExecutorError(f"stages {sorted(waiting)} not ready within {START_TIMEOUT_S:.0f}s")
-            connection_wait([ln.conn for ln in waiting.values()], timeout=0.2)
-            for ln in list(waiting.values()):
-                header = self._start_message(ln, op)
-                if header is not None:
-                    del waiting[ln.index]
-                    got.append((ln, header))
-        return sorted(got, key=lambda item: item[0].index)
-
-    def _start_message(self, ln: _StageLink, op: str) -> dict[str, Any] | None:
-        """Stage `ln`'s message `op` if it is there; ExecutorError if the stage failed or ended."""
-        if not ln.conn.poll(0):
-            if ln.process is not None and ln.process.poll() is not None:
-                raise ln.error(f"failed during start-up: {how_it_ended(ln)}")
-            return None
-        try:
-            header, _ = wire.recv(ln.conn)
-        except (EOFError, OSError):
-            raise ln.error(f"failed during start-up: {how_it_ended(ln)}") from None
-        if header["op"] == "error":
-            raise ln.error(header["message"])
-        return header if header["op"] == op else None
-
-    def _setup_for(self, stage: int) -> dict[str, Any]:
-        tp = self._config.parallel.tensor_parallel_size
-        cores = None
-        if os.environ.get(PIN_ENV) == "1":
-            n = os.cpu_count() or 1
-            cores = sorted({(stage * tp + i) % n for i in range(tp)})
-        return {"op": "setup", "config": json.loads(json.dumps(dataclasses.asdict(self._config))),
-                "coordinator": self._coordinator, "num_stages": self.num_stages,
-                "tensor_parallel_size": tp, "cores": cores}
-
-    def _check_spawned(self, deadline: float, waiting: set[int]) -> None:
-        for ln in self.links:
-            if ln.process is not None and ln.process.poll() is not None:
-                raise ln.error(f"did not start: {how_it_ended(ln)}")
-        if time.monotonic() > deadline:
-            raise ExecutorError(f"stages {sorted(waiting)} did not connect within {START_TIMEOUT_S:.0f}s "
-                                f"(coordinator {self._coordinator})")
-
-    def _reply(self, ln: _StageLink, what: str) -> dict[str, Any]:
+    def _reply(self, ln: StageLink, what: str) -> dict[str, Any]:
         """The next reply of stage `ln`, from its reader thread."""
         while True:
             self._raise_if_failed()
@@ -379,7 +157,7 @@ class MultiProcessExecutor:
                 return header
 
     # ---- the reader threads --------------------------------------------------------------------
-    def _read(self, ln: _StageLink) -> None:
+    def _read(self, ln: StageLink) -> None:
         while True:
             try:
                 header, arrays = wire.recv(ln.conn)
@@ -404,7 +182,7 @@ class MultiProcessExecutor:
             else:
                 ln.replies.put(header)
 
-    def _on_timing(self, ln: _StageLink, h: dict[str, Any]) -> None:
+    def _on_timing(self, ln: StageLink, h: dict[str, Any]) -> None:
         off = ln.clock_offset
         step_id = h["id"]
         with self._lock:
@@ -541,28 +319,12 @@ class MultiProcessExecutor:
         self._closed = True
         grace = FAILED_STOP_GRACE_S if self._failure is not None else STOP_GRACE_S
         for ln in reversed(self.links):
-            self._stop(ln, grace)
+            stop_stage(ln, grace)
         self._listener.close()
         if self._trace is not None:
             self._trace.close()
         with self._lock:
             self._lock.notify_all()
-
-    def _stop(self, ln: _StageLink, grace: float) -> None:
-        if ln.conn is not None:
-            try:
-                with ln.send_lock:
-                    wire.send(ln.conn, {"op": "stop"})
-            except OSError:
-                pass
-        if ln.process is not None:
-            try:
-                ln.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                ln.process.kill()
-                ln.process.wait(timeout=5)
-        elif ln.reader is not None:  # another host's: its connection closes when it exits
-            ln.reader.join(timeout=grace)
 
     # ---- beyond the contract: probes for tests and benchmarks ------------------------------------
     @property

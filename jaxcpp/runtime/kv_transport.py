@@ -3,8 +3,9 @@
 A producer's stage gathers a request's pages into one array per layer (`Stage.gather_pages`) and offers
 them on its process's transfer server under the request's transfer id, for `timeout_s` (then they are
 dropped). A consumer pulls each source's arrays straight onto the devices of its stages that hold those
-layers, waits for them off the engine's thread, and only then scatters them into its own pages (on the
-engine's thread, in order with its steps): a decode step never waits for a transfer.
+layers (the pull returns at once), the engine asks each step whether they have arrived (never blocking),
+and only then scatters them into its own pages, in order with its steps: no step waits for a transfer.
+Every call comes from the engine's thread (`jaxcpp.core.disaggregation`).
 
 Per source, the arrays are K of layers [first, end) then V of the same layers (`KVOffer`).
 """
@@ -12,8 +13,6 @@ Per source, the arrays are K of layers [first, end) then V of the same layers (`
 from __future__ import annotations
 
 import datetime
-import threading
-import time
 from typing import Any
 
 import jax
@@ -32,8 +31,7 @@ class KVTransport:
 
         self.server = server or transfer.start_transfer_server(jax.local_devices()[0].client, f"{ip}:0",
                                                                [f"{ip}:0"])
-        self._connections: dict[str, Any] = {}
-        self._lock = threading.Lock()  # pulls come from several threads
+        self._connections: dict[str, Any] = {}  # used from the engine's thread only
 
     @property
     def address(self) -> str:
@@ -44,11 +42,9 @@ class KVTransport:
         self.server.await_pull(transfer_id, arrays, timeout=deadline)
 
     def pull(self, source: KVSource, transfer_id: int, avals: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-        with self._lock:
-            if source.address not in self._connections:
-                self._connections[source.address] = self.server.connect(source.address)
-            connection = self._connections[source.address]
-        return list(connection.pull(transfer_id, avals))
+        if source.address not in self._connections:
+            self._connections[source.address] = self.server.connect(source.address)
+        return list(self._connections[source.address].pull(transfer_id, avals))
 
 
 def gather_offer(stages: list[Stage], pages: list[int]) -> list[jax.Array]:
@@ -82,14 +78,13 @@ class PulledPages:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in [*self.k.values(), *self.v.values()])
 
-    def wait(self, deadline: float) -> bool:
-        """Block (this thread only) until every array is here, or the deadline (time.monotonic()) passes."""
+    def arrived(self) -> bool:
+        """Whether every array is here; never blocks. A failed transfer raises (its arrays are ready, with
+        the error): in the engine's thread, which hands the request to another producer."""
         arrays = [*self.k.values(), *self.v.values()]
-        while not all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # jax.Array has it at runtime
-            if time.monotonic() > deadline:
-                return False  # jax cannot cancel a pull: if it ever lands, it is garbage collected
-            time.sleep(0.001)
-        jax.block_until_ready(arrays)  # a failed transfer raises here, in this thread, not in a step
+        if not all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # jax.Array has it at runtime
+            return False
+        jax.block_until_ready(arrays)  # returns at once, or raises the transfer's error
         return True
 
     def write_into(self, pages: list[int]) -> None:

@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -37,9 +37,9 @@ from jaxcpp.core.executor import (
     StepRequest,
     StepResult,
 )
-from jaxcpp.core.kv_transfer import KVOffer, KVSource
+from jaxcpp.core.kv_transfer import KVOffer, KVPull, KVSource
 from jaxcpp.core.step_input import StepInput, StepShape, pack, padding_step
-from jaxcpp.head.trace import TraceWriter
+from jaxcpp.pipe.trace import TraceWriter
 from jaxcpp.runtime import compile_guard
 from jaxcpp.runtime.kv_transport import KVTransport, PulledPages, gather_offer
 from jaxcpp.runtime.stage import PromptLogprobs, Stage, StageInput, StepOutput
@@ -205,16 +205,17 @@ class PipelineExecutor:
         source = KVSource(self._transport.address, self.stages[0].layers[0], self.stages[-1].layers[1])
         return KVOffer((source,), len(pages))
 
-    def pull_kv(self, offer: KVOffer, transfer_id: int, deadline: float) -> PulledPages | None:
-        """Pull an offer onto the stages' devices and wait for it (any thread but the engine's); None when
-        it has not arrived by `deadline` (time.monotonic())."""
+    def pull_kv(self, offer: KVOffer, transfer_id: int) -> PulledPages:
+        """Start pulling an offer onto the stages' devices; returns at once (the arrays arrive meanwhile)."""
         assert self._transport is not None, "pull_kv needs --kv-transfer-config"
-        pulled = PulledPages(self._transport, self.stages, offer, transfer_id)
-        return pulled if pulled.wait(deadline) else None
+        return PulledPages(self._transport, self.stages, offer, transfer_id)
 
-    def import_kv(self, pulled: PulledPages, pages: list[int]) -> None:
+    def kv_arrived(self, pull: KVPull) -> bool:
+        return cast(PulledPages, pull).arrived()
+
+    def import_kv(self, pull: KVPull, pages: list[int]) -> None:
         """Write a pull that has arrived into `pages` (the engine's thread: in order with the steps)."""
-        pulled.write_into(pages)
+        cast(PulledPages, pull).write_into(pages)
 
     # ---- beyond the contract: probes for tests and benchmarks ------------------------------------
     def timings(self) -> list[StageTiming]:

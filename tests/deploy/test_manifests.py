@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from jaxcpp.cli_args import engine_config_from_args
-from jaxcpp.head.cluster import Addresses, shared_control_key
+from jaxcpp.pipe.cluster import Addresses, shared_control_key
 from jaxcpp.serving.server import SERVICE_NAME
 from tests.deploy.conftest import (
     LWS_ENV,

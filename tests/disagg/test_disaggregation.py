@@ -19,7 +19,7 @@ import pytest
 from jaxcpp import LLM, SamplingParams
 from jaxcpp.config import ServerConfig
 from jaxcpp.core.kv_transfer import page_bucket
-from jaxcpp.head.mp_executor import free_port
+from jaxcpp.head.supervision import free_port
 from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
@@ -103,9 +103,9 @@ def pulls(consumer: ServerThread) -> list[Any]:
     seen: list[Any] = []
     real = executor.pull_kv
 
-    def spy(offer: Any, transfer_id: int, deadline: float) -> Any:
+    def spy(offer: Any, transfer_id: int) -> Any:
         seen.append(offer)
-        return real(offer, transfer_id, deadline)
+        return real(offer, transfer_id)
 
     executor.pull_kv = spy
     return seen
@@ -207,17 +207,18 @@ def test_a_request_with_penalties_is_prefilled_on_the_consumer(client, consumer,
 
 def test_abort_during_transfer_frees_both_sides(client, consumer, producer):
     """The client goes away while the consumer pulls: its pages come back on both sides, the pull is
-    dropped (never written), and the next request is served."""
+    dropped (never written), and the next request is served. The pull is held: it never counts as arrived
+    until the test releases it (the engine's thread polls it; nothing blocks)."""
     executor = engine(consumer).executor
     pulling, release = threading.Event(), threading.Event()
-    real = executor.pull_kv
+    real_pull, real_arrived = executor.pull_kv, executor.kv_arrived
 
-    def held(offer: Any, transfer_id: int, deadline: float) -> Any:
+    def started(offer: Any, transfer_id: int) -> Any:
         pulling.set()
-        release.wait(10)
-        return real(offer, transfer_id, deadline)
+        return real_pull(offer, transfer_id)
 
-    executor.pull_kv = held
+    executor.pull_kv = started
+    executor.kv_arrived = lambda pull: release.is_set() and real_arrived(pull)
     try:
         call = client._stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPTS[2]),
                                                         sampling=pb.SamplingParameters(max_tokens=8)))
@@ -227,19 +228,20 @@ def test_abort_during_transfer_frees_both_sides(client, consumer, producer):
         assert_no_pages_held(consumer, producer)
     finally:
         release.set()
-        del executor.pull_kv
+        del executor.pull_kv, executor.kv_arrived
     assert client.generate(PROMPTS[0], max_tokens=4, temperature=0).token_ids
 
 
 def test_an_offer_no_one_pulls_times_out_on_both_sides(client, consumer, producer):
     """The consumer pulls too late (past the producer's 3 s): the producer has dropped its offer, the
-    consumer's wait ends at its own 2 s, its pages are freed and the request fails naming why."""
+    consumer's wait ends at its own 2 s (from the offer's arrival), its pages are freed and the request
+    fails naming why. (The late start blocks the engine's thread: this test runs one request.)"""
     executor = engine(consumer).executor
     real = executor.pull_kv
 
-    def late(offer: Any, transfer_id: int, deadline: float) -> Any:
+    def late(offer: Any, transfer_id: int) -> Any:
         time.sleep(3.5)
-        return real(offer, transfer_id, deadline)
+        return real(offer, transfer_id)
 
     executor.pull_kv = late
     try:

@@ -3,6 +3,7 @@ consumer's choice of producer."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -69,8 +70,7 @@ def test_a_layout_mismatch_names_every_field_and_both_sides():
 
 
 def test_the_least_loaded_producer_is_picked_and_a_failed_one_passed_over():
-    remote = GrpcRemotePrefill(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], KVLayout("m", 6, 16, "float32", 2, 16),
-                               executor=None, transfer_timeout_s=1)
+    remote = GrpcRemotePrefill(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], KVLayout("m", 6, 16, "float32", 2, 16))
     try:
         a, b, c = remote._producers
         for p in (a, b, c):
@@ -107,14 +107,18 @@ def test_a_name_with_several_addresses_is_that_many_producers(monkeypatch):
 
 
 class _FakeRemote:
-    """A RemotePrefill that ends jobs when the test says so; the pull is a token the executor records."""
+    """A RemotePrefill that ends jobs when the test says so, and records the pulls handed back to it."""
 
     def __init__(self) -> None:
         self.started: list = []
         self.ended: list = []
+        self.retried: list = []
 
     def start(self, job) -> None:
         self.started.append(job)
+
+    def retry(self, done, error: str) -> None:
+        self.retried.append((done, error))
 
     def cancel(self, job) -> None:
         pass
@@ -127,22 +131,36 @@ class _FakeRemote:
         pass
 
 
-def test_a_request_sent_again_under_its_id_never_takes_the_aborted_jobs_pages():
-    """Abort a remote request while its job runs, send another under the same id: the first job's end
-    (pages pulled for the old prompt) is dropped, the second's is written and admitted."""
+def consumer_engine(timeout_s: float = 60.0):
+    """A kv_consumer engine on the fake executor (its KV sub-protocols declared), with a fake remote."""
     from jaxcpp.core.engine import LLMEngine
     from jaxcpp.core.fake_executor import FakeExecutor
-    from jaxcpp.core.kv_transfer import RemoteDone
-    from jaxcpp.sampling_params import SamplingParams
 
-    executor = FakeExecutor()
-    imported: list = []
-    executor.import_kv = lambda pulled, pages: imported.append(pulled)  # type: ignore[attr-defined]
-    config = EngineConfig.from_kwargs(model="tiny", max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256,
-                                      log_stats_interval_s=0, kv_transfer_config=CONSUMER, prefill_servers="p:1")
-    engine = LLMEngine(config, executor=executor)
+    config = EngineConfig.from_kwargs(
+        model="tiny", max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, log_stats_interval_s=0,
+        kv_transfer_config=json.dumps({"kv_role": "kv_consumer",
+                                       "kv_connector_extra_config": {"transfer_timeout_s": timeout_s}}),
+        prefill_servers="p:1")
+    engine = LLMEngine(config, executor=FakeExecutor())
     remote = _FakeRemote()
     engine.attach_remote_prefill(remote)
+    return engine, engine.executor, remote
+
+
+def offered(job, first_token: int, transfer_id: int, producer: str = "p:1"):
+    from jaxcpp.core.kv_transfer import KVOffer, KVSource, RemoteDone
+
+    num_pages = -(-len(job.prompt_token_ids) // 16) - job.skip_pages
+    return RemoteDone(job, first_token, offer=KVOffer((KVSource("x", 0, 1),), num_pages), transfer_id=transfer_id,
+                      producer=producer)
+
+
+def test_a_request_sent_again_under_its_id_never_takes_the_aborted_jobs_pages():
+    """Abort a remote request while its job runs, send another under the same id: the first job's end
+    (pages offered for the old prompt) is dropped, the second's is pulled, written and admitted."""
+    from jaxcpp.sampling_params import SamplingParams
+
+    engine, executor, remote = consumer_engine()
     params = SamplingParams(max_tokens=3, temperature=0)
     engine.add_request("r", [5] * 40, params)
     engine.step()
@@ -151,11 +169,84 @@ def test_a_request_sent_again_under_its_id_never_takes_the_aborted_jobs_pages():
     engine.step()
     old, new = remote.started
     assert old.request_id == new.request_id == "r" and old is not new
-    remote.ended = [RemoteDone(old, first_token=9, pulled="old pages"), RemoteDone(new, first_token=7, pulled="new")]
+    remote.ended = [offered(old, 9, transfer_id=1), offered(new, 7, transfer_id=2)]
     outputs = engine.step()
-    assert imported == ["new"], "the aborted job's pages are never written"
+    assert [p.transfer_id for p in executor.imported] == [2], "the aborted job's pages are never written"
     assert [o.new_token_ids for o in outputs if o.request_id == "r"][-1:] == [[7]]
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats().num_pages_used == 0
     engine.close()
+
+
+def test_the_engine_polls_a_pull_and_imports_it_once_it_has_arrived():
+    """The pull starts on the engine's thread and never blocks it: steps go on while the pages land, and the
+    request is admitted (first token out) only by the step that sees them arrived."""
+    from jaxcpp.sampling_params import SamplingParams
+
+    engine, executor, remote = consumer_engine()
+    executor.pulls_arrive = False
+    engine.add_request("a", [3] * 40, SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    [job] = remote.started
+    remote.ended = [offered(job, 11, transfer_id=5)]
+    assert engine.step() == [] and [p.transfer_id for p in executor.pulls] == [5]
+    assert engine.step() == [] and executor.imported == [], "not arrived: not written, not admitted"
+    executor.pulls[0].arrived = True
+    outputs = engine.step()
+    assert executor.imported == executor.pulls and [o.new_token_ids for o in outputs] == [[11]]
+    assert engine.stats().num_kv_transfers_total == 1 and engine.stats().num_kv_transfer_tokens_total == 40
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_pages_used == 0 and not remote.retried
+    engine.close()
+
+
+@pytest.mark.parametrize("how", ["timeout", "failed"])
+def test_a_pull_that_fails_or_times_out_goes_back_to_the_remote_side(how):
+    """Past the transfer timeout, or failed, a pull is handed back (`retry`) for the next producer, and that
+    producer's offer is pulled in turn; the first pull is never written."""
+    from jaxcpp.sampling_params import SamplingParams
+
+    engine, executor, remote = consumer_engine(timeout_s=0.05)
+    executor.pulls_arrive = False
+    engine.add_request("a", [3] * 20, SamplingParams(max_tokens=2, temperature=0))
+    engine.step()
+    [job] = remote.started
+    remote.ended = [offered(job, 11, transfer_id=5, producer="p:1")]
+    engine.step()
+    if how == "timeout":
+        time.sleep(0.06)
+    else:
+        executor.pulls[0].arrived = ConnectionError("connection reset")
+    assert engine.step() == []
+    [(done, error)] = remote.retried
+    assert done.job is job and done.producer == "p:1"
+    assert error == ("its pages did not arrive within the transfer timeout (0.05s)" if how == "timeout"
+                     else "pulling its pages failed: connection reset")
+    executor.pulls_arrive = True
+    remote.ended = [offered(job, 11, transfer_id=6, producer="p:2")]
+    assert [o.new_token_ids for o in engine.step()] == [[11]]
+    assert [p.transfer_id for p in executor.imported] == [6]
+    engine.abort_request("a")
+    engine.close()
+
+
+def test_a_pull_handed_back_with_no_producer_left_fails_naming_each_error():
+    """The remote side's retry passes the failed producer over; with none left the request ends UNAVAILABLE
+    naming every producer's error (the earlier ones travel with the job)."""
+    from jaxcpp.core.kv_transfer import RemoteDone, RemoteJob
+    from jaxcpp.sampling_params import SamplingParams
+
+    remote = GrpcRemotePrefill(["127.0.0.1:1", "127.0.0.1:2"], KVLayout("m", 6, 16, "float32", 2, 16))
+    try:
+        job = RemoteJob("a", [1, 2, 3], SamplingParams(), 0, 0)
+        remote.retry(RemoteDone(job, 5, producer="127.0.0.1:2", tried=("127.0.0.1:1",),
+                                errors=("producer 127.0.0.1:1: UNAVAILABLE: down",)), "its pages did not arrive")
+        [done] = remote.done(wait_s=10)
+        assert done.job is job and done.unavailable
+        assert done.error == ("no producer could prefill it: producer 127.0.0.1:1: UNAVAILABLE: down; "
+                              "producer 127.0.0.1:2: its pages did not arrive")
+        assert remote._producers[1].down_until > time.monotonic(), "passed over for a while"
+    finally:
+        remote.close()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from jaxcpp.head.cluster import Addresses
+from jaxcpp.pipe.cluster import Addresses
 
 HEAD_IP, STAGE_IP = "10.231.77.1", "10.231.77.2"   # host a: the head and stage 0; host b: stage 1
 PREFIX_LEN = 24

@@ -30,11 +30,11 @@ def test_the_heartbeat_timeout_is_jaxs_default_and_configurable():
 def test_a_stage_joins_with_the_configured_heartbeat_timeout(monkeypatch):
     import jax
 
-    from jaxcpp.runtime import stage_process
+    from jaxcpp.runtime import stage_setup
 
     joined = {}
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: joined.update(kwargs))
-    stage_process._join_coordinator("127.0.0.1:1234", "127.0.0.1", 0, 2, 100)
+    stage_setup.join_coordinator("127.0.0.1:1234", "127.0.0.1", 0, 2, 100)
     assert joined["heartbeat_timeout_seconds"] == 100
 
 

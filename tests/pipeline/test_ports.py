@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from jaxcpp.head import mp_executor
-from jaxcpp.head.mp_executor import ephemeral_ports, free_port
+from jaxcpp.head import supervision
+from jaxcpp.head.supervision import ephemeral_ports, free_port
 
 
 def test_free_ports_come_from_below_the_ephemeral_range_and_bind():
@@ -27,5 +27,5 @@ def test_the_range_is_read_from_the_kernel_or_defaults_to_linuxs(tmp_path):
 
 def test_with_no_room_below_the_range_the_kernel_chooses(monkeypatch):
     low, high = ephemeral_ports()  # where the kernel's own choice falls
-    monkeypatch.setattr(mp_executor, "ephemeral_ports", lambda: (10500, 60999))
+    monkeypatch.setattr(supervision, "ephemeral_ports", lambda: (10500, 60999))
     assert low <= free_port() <= high

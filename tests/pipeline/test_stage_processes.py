@@ -19,7 +19,8 @@ import pytest
 
 from jaxcpp import LLM, SamplingParams
 from jaxcpp.core.executor import ExecutorError
-from jaxcpp.head.mp_executor import MultiProcessExecutor, free_port
+from jaxcpp.head.mp_executor import MultiProcessExecutor
+from jaxcpp.head.supervision import free_port
 from tests.pipeline.test_pipeline_exactness import assert_same, prompts, run
 
 pytestmark = pytest.mark.slow

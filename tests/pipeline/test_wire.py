@@ -6,7 +6,7 @@ from multiprocessing.connection import Pipe
 
 import numpy as np
 
-from jaxcpp.head import wire
+from jaxcpp.pipe import wire
 
 
 def test_header_and_arrays_round_trip():

@@ -1,4 +1,4 @@
-"""How the processes of a multi-host pipeline find and trust each other (`jaxcpp.head.cluster`), and how
+"""How the processes of a multi-host pipeline find and trust each other (`jaxcpp.pipe.cluster`), and how
 the head names a stage that failed: the shared control key is required, addresses come from the flags,
 reachability is checked from the advertised address, and a stage that dies in native code is reported
 with its fatal log line. The end-to-end checks on two network namespaces are tests/pipeline/test_multi_host.py.
@@ -14,9 +14,9 @@ import threading
 import pytest
 
 from jaxcpp.config import ConfigError, ParallelConfig
-from jaxcpp.head.cluster import Addresses, check_local, check_reachable, shared_control_key
-from jaxcpp.head.mp_executor import _StageLink, forward_log, how_it_ended
-from jaxcpp.runtime.stage_process import _neighbours
+from jaxcpp.head.supervision import StageLink, forward_log, how_it_ended
+from jaxcpp.pipe.cluster import Addresses, check_local, check_reachable, shared_control_key
+from jaxcpp.runtime.stage_setup import neighbours
 from jaxcpp.serving.cli import main
 
 MULTI_HOST = ["serve", "--pipeline-parallel-size", "2", "--num-processes", "2",
@@ -94,7 +94,7 @@ def test_reachability_is_checked_from_the_advertised_address():
     (0, 1, []), (0, 2, [1]), (1, 2, [0]), (0, 4, [1, 3]), (1, 4, [0, 2]), (3, 4, [0, 2]),
 ])
 def test_each_stage_checks_the_transfer_servers_it_exchanges_with(index, num_stages, peers):
-    assert _neighbours(index, num_stages) == peers
+    assert neighbours(index, num_stages) == peers
 
 
 FATAL = ("F1202 06:06:55.368775 6112 socket_bulk_transport.cc:694] Check failed: connect(cfd, ...) == 0 "
@@ -105,7 +105,7 @@ def test_a_spawned_stage_that_aborts_in_native_code_is_reported_with_its_fatal_l
     script = ("import os, sys; sys.stderr.write('I1202 loaded\\n' + sys.argv[1] + '\\n*** Check failure stack "
               "trace: ***\\n    @     0x7f0898b40634  absl::log_internal::LogMessage::SendToLog()\\n'); "
               "sys.stderr.flush(); os.abort()")
-    ln = _StageLink(0, pid=1234, host="host-a", address="10.0.0.1", transfer="10.0.0.1:4567")
+    ln = StageLink(0, pid=1234, host="host-a", address="10.0.0.1", transfer="10.0.0.1:4567")
     ln.process = subprocess.Popen([sys.executable, "-c", script, FATAL], stderr=subprocess.PIPE)
     ln.log_reader = threading.Thread(target=forward_log, args=(ln, ln.process.stderr))
     ln.log_reader.start()
