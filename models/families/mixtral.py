@@ -22,7 +22,9 @@ def _mixtral(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mixtral_hf(config: ModelConfig) -> dict[str, Any]:
-    return {"sliding_window": config.sliding_window, "num_local_experts": config.num_experts,
+    # Mixtral has no dense layer: its experts' width is config.json's intermediate_size
+    return {"sliding_window": config.sliding_window, "intermediate_size": config.moe_intermediate_size,
+            "num_local_experts": config.num_experts,
             "num_experts_per_tok": config.num_experts_per_tok}
 
 
