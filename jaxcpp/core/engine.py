@@ -37,7 +37,7 @@ from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestO
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
 from jaxcpp.core.sequence import Sequence
-from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.sizing import EngineSizing, parameter_summary
 from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.core.step_input import build_step_input
 from jaxcpp.errors import InvalidRequestError
@@ -89,9 +89,10 @@ class LLMEngine:
         self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
         self._transfers = TransferCounts()
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
-                 "padding page) in %s",
+                 "padding page) in %s; model: %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
-                 self.allocator.num_usable, self.sizing.page_size, self.sizing.kv_cache_dtype)
+                 self.allocator.num_usable, self.sizing.page_size, self.sizing.kv_cache_dtype,
+                 parameter_summary(self.sizing.spec.config))
 
     def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.dynamic_chunking:  # off on a kv_consumer (EngineConfig says why)

@@ -128,3 +128,25 @@ def test_expert_slices_sum_to_the_whole():
     parts = sum(grouped_experts(x, ids, weights, gate[s:s + 2], up[s:s + 2], down[s:s + 2], first_expert=s)
                 for s in range(0, 8, 2))
     np.testing.assert_allclose(parts, whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "mixtral", "qwen3-moe-mixed"])
+def test_param_counts_equal_transformers(case, tmp_path):
+    """ModelConfig.param_counts' total is transformers' parameter count; active counts k of E experts."""
+    from jaxcpp.core.sizing import parameter_summary
+    from jaxcpp.models.config import ModelConfig
+
+    model_type, overrides = CASES[case]
+    model = random_hf_model(model_type, overrides)
+    model.config.save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    total, active = config.param_counts()
+    assert total == sum(p.numel() for p in model.parameters())
+    if config.num_experts:
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        moe_layers = config.num_hidden_layers - len(config.dense_layers)
+        assert total - active == experts * (config.num_experts - config.num_experts_per_tok) // config.num_experts
+        assert experts == moe_layers * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+        assert "active per token" in parameter_summary(config)
+    else:
+        assert active == total and "active" not in parameter_summary(config)
