@@ -35,19 +35,19 @@ import numpy as np
 
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
+from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_weight_scales
 from jaxcpp.models.llama import DecoderLayer, Params, init_params, runs_of
 from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
 from jaxcpp.tokenizer import Tokenizer
 
-__all__ = ["BUNDLED_MODELS", "ORBAX_PARAMS_DIR", "load_hf", "load_orbax", "load_stage_params", "resolve_model",
-           "save_hf", "save_orbax"]
+__all__ = ["BUNDLED_MODELS", "FP8_E4M3_MAX", "ORBAX_PARAMS_DIR", "load_hf", "load_orbax", "load_stage_params",
+           "quantize_fp8_per_channel", "resolve_model", "save_hf", "save_orbax"]
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES: dict[str, Any] = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-FP8_WEIGHT_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 _FP8_NP = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -324,7 +324,7 @@ def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, 
             return _read_hf_leaf(tensors, spec.folder, config, path, shape, rows)
 
         def read_scales(path: tuple[str, ...], rows: range, out_features: int) -> np.ndarray:
-            return _read_hf_weight_scales(tensors, spec.folder, path, rows, out_features,
+            return read_hf_weight_scales(tensors, spec.folder, path, rows, out_features,
                                           lambda p, layer, expert: _hf_names(config, p, layer, expert)[0],
                                           _experts_of(config, path))
 
@@ -357,41 +357,6 @@ def _weight_leaves(spec: ModelSpec, path: tuple[str, ...], value: np.ndarray, ro
         kernel, scale = quantize_fp8_per_channel(value)
         return [("kernel", kernel), ("kernel_scale", scale)]
     return [(path[-1], value.astype(target, copy=False))]
-
-
-FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-
-
-def quantize_fp8_per_channel(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., in, out] float -> (the same shape in float8_e4m3fn, [..., out] float32 scales): each output
-    channel's largest |w| maps to 448; kernel ~= fp8 * scale. A channel of zeros gets scale 1."""
-    w = kernel.astype(np.float32)
-    amax = np.abs(w).max(axis=-2)
-    scale = np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0).astype(np.float32)
-    quantized = np.clip(w / scale[..., None, :], -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_WEIGHT_DTYPE)
-    return quantized, scale
-
-
-def _read_hf_weight_scales(tensors: dict[str, _SafetensorsFile], folder: Path, path: tuple[str, ...],
-                           rows: range, out_features: int, weight_name: Any, experts: list[int | None]
-                           ) -> np.ndarray:
-    """[len(rows), out] float32 ([len(rows), E, out] for experts): each layer's (expert's)
-    `<linear>.weight_scale`, per tensor or per output channel."""
-    stacked = []
-    for layer, expert in ((layer, expert) for layer in rows for expert in experts):
-        weight = weight_name(path, layer, expert)
-        name = weight + "_scale"
-        if name not in tensors:
-            hint = (" (block-wise fp8 with weight_scale_inv is not supported)" if weight + "_scale_inv" in tensors
-                    else "")
-            raise ModelLoadError(f"{folder}: {weight} is fp8 but {name!r} is missing{hint}")
-        scale = np.asarray(tensors[name].get(name), np.float32).reshape(-1)
-        if scale.size not in (1, out_features):
-            raise ModelLoadError(f"{tensors[name].path}: {name!r} has {scale.size} values; per-tensor (1) or "
-                                 f"per-output-channel ({out_features}) scales are supported")
-        stacked.append(np.broadcast_to(scale, (out_features,)))
-    shape = (len(rows), out_features) if experts == [None] else (len(rows), len(experts), out_features)
-    return np.stack(stacked).astype(np.float32).reshape(shape)
 
 
 KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),               # vLLM's, compressed-tensors

@@ -4,12 +4,13 @@ grouped matmul over the tokens sorted by expert.
     weights, ids = route(x, router_kernel, top_k, normalize)    # [N, k] float32, [N, k] int32
     out = grouped_experts(x, ids, weights, gate, up, down)       # sum_j weights[:, j] * expert_ids[:, j](x)
 
-The router is transformers': softmax over every expert's logit in float32, the top k (ties go to the
-lower expert index, as torch.topk's), renormalised to sum to 1 when the config says so (Mixtral always,
+The router is transformers': softmax over every expert's logit in float32, the top k (a tie across the
+k-th place goes to the lower expert index), renormalised to sum to 1 when the config says so (Mixtral always,
 Qwen3-MoE with `norm_topk_prob`). The experts: each (token, choice) pair becomes a row, the rows are
-sorted by expert and `jax.lax.ragged_dot` multiplies each expert's run of rows by its own weights, so
-the work follows the *active* parameters (N·k rows through one expert each), not E dense MLPs, and the
-group sizes are data: a new routing compiles nothing.
+sorted by expert and each expert's run of rows is multiplied by its own weights (`tiled_grouped_mlp`:
+tiles of rows, one expert each, under a scan), so the work follows the *active* parameters (N·k rows
+through one expert each), not E dense MLPs, and the group sizes are data: a new routing compiles
+nothing. `jax.lax.ragged_dot` computes the same, but XLA:CPU lowers it densely over every expert.
 
 Expert parallelism: `first_expert` says which experts the given weights are (a device's E/tp slice);
 a row routed to an expert outside the slice gets no group and contributes zero, so the per-device sums
@@ -54,6 +55,7 @@ def grouped_experts(
     up: jax.Array,  # [E_local, D, I]
     down: jax.Array,  # [E_local, I, D]
     first_expert: jax.Array | int = 0,  # the global id of gate[0]
+    matmul: str = "tiled",  # "tiled" (tiled_grouped_mlp) or "ragged_dot" (for the benchmark)
 ) -> jax.Array:  # [N, D] float32: the weighted sum of this slice's experts' outputs
     num_tokens, top_k = ids.shape
     num_local = gate.shape[0]
@@ -63,12 +65,62 @@ def grouped_experts(
     order = jnp.argsort(key, stable=True)  # [N*k]: rows grouped by expert
     rows = x[order // top_k]  # [N*k, D]
     sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # [E_local]
-    hidden = nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    out = jax.lax.ragged_dot(hidden, down, sizes).astype(jnp.float32)  # [N*k, D]
+    mlp = tiled_grouped_mlp if matmul == "tiled" else ragged_dot_mlp
+    out = mlp(rows, sizes, gate, up, down).astype(jnp.float32)  # [N*k, D]
     row_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]
     out = jnp.where(mine[order][:, None], out * row_weight[:, None], 0.0)  # rows in no group: exactly 0
     unsorted = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
     return jnp.sum(unsorted.reshape(num_tokens, top_k, -1), axis=1)
+
+
+def ragged_dot_mlp(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+                   ) -> jax.Array:  # [R, D]
+    """SwiGLU of rows sorted by expert through `jax.lax.ragged_dot`. Exact, but XLA:CPU lowers it to a
+    dense product over every group (measured: its cost grows with E, benchmarks/moe.py), so the engine
+    uses `tiled_grouped_mlp`; kept as the reference and for the benchmark."""
+    hidden = nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+    return jax.lax.ragged_dot(hidden, down, sizes)
+
+
+def tile_rows(num_rows: int, num_experts: int) -> int:
+    """Rows per tile: about the rows an expert gets on average (a power of two in [8, 128]), so a decode
+    step wastes little on half-empty tiles and a long prefill chunk runs few, large matmuls."""
+    per_expert = max(1, num_rows // num_experts)
+    return min(128, max(8, 1 << (per_expert - 1).bit_length()))
+
+
+def tiled_grouped_mlp(rows: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+                      ) -> jax.Array:  # [R, D]
+    """SwiGLU of rows sorted by expert (the first sizes[0] rows expert 0's, ...; rows past sum(sizes) in
+    no group give 0), as a grouped matmul whose cost follows the rows, not the experts: each group is
+    padded to whole tiles of B rows, a scan runs one tile at a time through its expert's weights, and
+    the tiles past the last group are skipped (`lax.cond`). The tile count is static (R/B + E bounds
+    it); which tiles are used is data, so a new routing compiles nothing."""
+    num_rows, width = rows.shape
+    num_experts = gate.shape[0]
+    b = tile_rows(num_rows, num_experts)
+    num_tiles = -(-num_rows // b) + num_experts  # each group wastes less than one tile
+    padded = (sizes + b - 1) // b * b
+    group_end, padded_end = jnp.cumsum(sizes), jnp.cumsum(padded)
+    index = jnp.arange(num_rows)
+    group = jnp.searchsorted(group_end, index, side="right")  # [R]: num_experts for rows in no group
+    safe = jnp.minimum(group, num_experts - 1)
+    position = jnp.where(group < num_experts, padded_end[safe] - padded[safe] + index - (group_end[safe] - sizes[safe]),
+                         num_tiles * b)  # where each row sits in the padded layout (out of range: none)
+    tiles = jnp.zeros((num_tiles * b, width), rows.dtype).at[position].set(rows, mode="drop")
+    tile_group = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * b, side="right")  # [tiles]
+
+    def tile(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        x, e = xs
+
+        def swiglu(x: jax.Array, e: jax.Array) -> jax.Array:
+            return (nn.silu(x @ gate[e]) * (x @ up[e])) @ down[e]
+
+        unused = lambda x, e: jnp.zeros((b, down.shape[-1]), rows.dtype)  # noqa: E731
+        return None, jax.lax.cond(e < num_experts, swiglu, unused, x, jnp.minimum(e, num_experts - 1))
+
+    _, out = jax.lax.scan(tile, None, (tiles.reshape(num_tiles, b, width), tile_group))
+    return jnp.take(out.reshape(num_tiles * b, -1), position, axis=0, mode="fill", fill_value=0)
 
 
 def dense_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,

@@ -13,7 +13,7 @@ import pytest
 from test_hf_parity import DIMS, hf_greedy, hf_logits, our_greedy, random_hf_model
 
 from jaxcpp.models import checkpoint, llama
-from jaxcpp.models.moe import dense_experts, grouped_experts, route
+from jaxcpp.models.moe import dense_experts, grouped_experts, ragged_dot_mlp, route, tiled_grouped_mlp
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -150,3 +150,18 @@ def test_param_counts_equal_transformers(case, tmp_path):
         assert "active per token" in parameter_summary(config)
     else:
         assert active == total and "active" not in parameter_summary(config)
+
+
+@pytest.mark.parametrize("num_rows", [3, 40, 700])
+def test_tiled_grouped_matmul_equals_ragged_dot(num_rows):
+    """The tiled grouped matmul equals jax.lax.ragged_dot's on groups of every kind: empty, smaller than
+    a tile, several tiles, and rows past the last group (which give 0)."""
+    x, gate, up, down = _random_experts(6, seed=num_rows)
+    rows = jax.random.normal(jax.random.key(num_rows), (num_rows, x.shape[1]))
+    cuts = np.sort(np.random.default_rng(num_rows).integers(0, num_rows + 1, 6))
+    cuts[1] = cuts[0]  # expert 1 gets nothing
+    sizes = jnp.asarray(np.diff(np.concatenate([[0], cuts])), jnp.int32)  # sum <= num_rows
+    got = jax.jit(tiled_grouped_mlp)(rows, sizes, gate, up, down)
+    want = ragged_dot_mlp(rows, sizes, gate, up, down)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_array_equal(got[int(cuts[-1]):], 0)
