@@ -12,6 +12,9 @@ transformers (for benchmarks/offline_throughput.py --model DIR/mixtral, DIR/qwen
 
     .venv/bin/python benchmarks/moe.py gmm --tokens 512 --repeat 20
     .venv/bin/python benchmarks/moe.py write-models /tmp/moe_models
+    .venv/bin/python -P benchmarks/offline_throughput.py --model /tmp/moe_models/mixtral ...   # -P: see below
+
+(`-P` keeps benchmarks/ off sys.path: its kernels.py would shadow the `kernels` package transformers imports.)
 """
 
 from __future__ import annotations
@@ -63,8 +66,11 @@ def bench_gmm(args: argparse.Namespace) -> None:
 
 
 def write_models(args: argparse.Namespace) -> None:
+    import sys
     from pathlib import Path
 
+    here = Path(__file__).resolve().parent  # benchmarks/kernels.py would shadow transformers' `kernels`
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     import torch
     import transformers
 

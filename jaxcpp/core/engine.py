@@ -88,11 +88,11 @@ class LLMEngine:
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._remote_jobs: dict[str, RemoteJob] = {}  # a consumer's requests with a job running, by id
         self._transfers = TransferCounts()
+        log.info("model %s: %s", self.sizing.spec.name, parameter_summary(self.sizing.spec.config))
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
-                 "padding page) in %s; model: %s",
+                 "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,
-                 self.allocator.num_usable, self.sizing.page_size, self.sizing.kv_cache_dtype,
-                 parameter_summary(self.sizing.spec.config))
+                 self.allocator.num_usable, self.sizing.page_size, self.sizing.kv_cache_dtype)
 
     def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.dynamic_chunking:  # off on a kv_consumer (EngineConfig says why)
