@@ -138,7 +138,7 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: i
 
 
 def parameter_summary(model: LlamaConfig) -> str:
-    """"30.53B parameters, 3.34B active per token" (an MoE model runs only its chosen experts), or
+    """"30.53B parameters, 3.35B active per token" (an MoE model runs only its chosen experts), or
     "8.03B parameters" for a dense one: for the start-up log."""
     total, active = model.param_counts()
     text = f"{_count(total)} parameters"

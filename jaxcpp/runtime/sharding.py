@@ -124,7 +124,7 @@ def shard_experts(experts_fn: ExpertsFn, mesh: Mesh, config: LlamaConfig) -> Exp
     def local(x: jax.Array, ids: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
               down: jax.Array) -> jax.Array:
         first = jax.lax.axis_index("tp") * per_device
-        return jax.lax.psum(experts_fn(x, ids, weights, gate, up, down, first), "tp")  # type: ignore[call-arg]
+        return jax.lax.psum(experts_fn(x, ids, weights, gate, up, down, first), "tp")
 
     experts = P("tp", None, None)  # [E, in, out]
     return jax.shard_map(local, mesh=mesh, in_specs=(REPLICATED, REPLICATED, REPLICATED, experts, experts, experts),
