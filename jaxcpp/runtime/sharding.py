@@ -18,10 +18,11 @@ heads per device: attention is independent per head, so this is exact, and it le
 
 Expert parallelism is the rule, not a flag (vLLM's `--enable-expert-parallel` is opt-in): when T
 divides the number of experts, each device holds E/T whole experts and runs the grouped matmul
-(`jax.lax.ragged_dot`) over the rows routed to them, under `shard_map`; the per-device sums are combined
-with one psum, the same single all-reduce a Megatron-split MLP costs. Splitting every expert's width
-instead would cut each expert's matmul T ways for no fewer collectives, and GSPMD cannot partition a
-ragged_dot by its groups. When T does not divide E the experts are replicated (exact, only slower).
+(`jaxcpp.models.moe.grouped_experts`) over the rows routed to them, under `shard_map`; the per-device sums
+are combined with one psum, the same single all-reduce a Megatron-split MLP costs. Splitting every
+expert's width instead would cut each expert's matmul T ways for no fewer collectives, and GSPMD cannot
+partition a grouped matmul (data-dependent groups) by itself. When T does not divide E
+the experts are replicated (exact, only slower).
 """
 
 from __future__ import annotations
