@@ -35,19 +35,19 @@ import numpy as np
 
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
-from jaxcpp.models.llama import Params, init_params
+from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_weight_scales
+from jaxcpp.models.llama import DecoderLayer, Params, init_params, runs_of
 from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
 from jaxcpp.tokenizer import Tokenizer
 
-__all__ = ["BUNDLED_MODELS", "ORBAX_PARAMS_DIR", "load_hf", "load_orbax", "load_stage_params", "resolve_model",
-           "save_hf", "save_orbax"]
+__all__ = ["BUNDLED_MODELS", "FP8_E4M3_MAX", "ORBAX_PARAMS_DIR", "load_hf", "load_orbax", "load_stage_params",
+           "quantize_fp8_per_channel", "resolve_model", "save_hf", "save_orbax"]
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES: dict[str, Any] = {
     "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-FP8_WEIGHT_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 _FP8_NP = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -56,8 +56,10 @@ _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": 
 # ------------------------------------------------------------------------------------- name mapping
 
 
-def _hf_names(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
-    """(HF tensor name, transpose?) of one leaf of our tree; `layer` for the stacked decoder leaves."""
+def _hf_names(config: LlamaConfig, path: tuple[str, ...], layer: int | None, expert: int | None = None
+              ) -> tuple[str, bool]:
+    """(HF tensor name, transpose?) of one leaf of our tree; `layer` for the stacked decoder leaves,
+    `expert` for an MoE layer's stacked expert leaves (the family spells the module path)."""
     if path == ("embed",):
         return "model.embed_tokens.weight", False
     if path == ("norm",):
@@ -67,12 +69,28 @@ def _hf_names(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
     assert path[0] == "layers" and layer is not None, path
     *modules, leaf = path[1:]
     hf_leaf = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
-    return f"model.layers.{layer}.{'.'.join(modules)}.{hf_leaf}", leaf == "kernel"
+    module = config.family.hf_module(tuple(modules), expert)
+    return f"model.layers.{layer}.{module}.{hf_leaf}", leaf == "kernel"
+
+
+def _experts_of(config: LlamaConfig, path: tuple[str, ...]) -> list[int | None]:
+    """The experts a leaf stacks (an MoE layer's `experts.*` leaves: all of them), else [None]."""
+    return list(range(config.num_experts)) if "experts" in path else [None]
 
 
 def _leaf_paths(tree: Params) -> Iterator[tuple[tuple[str, ...], Any]]:
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         yield tuple(k.key for k in keypath), leaf
+
+
+def _layer_runs_of(config: LlamaConfig, layers: tuple[int, int]) -> Iterator[tuple[range, Params]]:
+    """Each run of alike layers in [start, end), with one layer's expected leaves (shapes, no [L] axis)."""
+    for moe, start, end in config.layer_runs(*layers):
+        layer = DecoderLayer(config, moe=moe)
+        one = jax.eval_shape(lambda layer=layer: layer.init(
+            jax.random.key(0), jnp.zeros((1, config.hidden_size)), jnp.zeros((1,), jnp.int32),
+            lambda q, k, v: (q, None))["params"])
+        yield range(start, end), one
 
 
 def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -176,29 +194,31 @@ def load_hf(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfig, 
     """A Hugging Face folder: config.json + model.safetensors (or shards with an index)."""
     folder = Path(folder)
     config = LlamaConfig.from_pretrained(folder)
-    tensors = _open_shards(folder)
-    params: dict[str, Any] = {}
-    for path, leaf in _leaf_paths(_expected_params(config)):
-        layers = range(config.num_hidden_layers) if path[0] == "layers" else None
-        _set(params, path, jnp.asarray(_read_hf_leaf(tensors, folder, path, leaf.shape, layers)))
-    return config, _cast(params, dtype)
+    spec = ModelSpec(str(folder), folder, config, None, "hf")
+    params = load_stage_params(spec, (0, config.num_hidden_layers), True, True)
+    return config, _cast(jax.tree_util.tree_map(jnp.asarray, params), dtype)
 
 
-def _read_hf_leaf(tensors: dict[str, _SafetensorsFile], folder: Path, path: tuple[str, ...],
+def _read_hf_leaf(tensors: dict[str, _SafetensorsFile], folder: Path, config: LlamaConfig, path: tuple[str, ...],
                   shape: tuple[int, ...], layers: range | None) -> np.ndarray:
-    """One leaf of our tree from its HF tensor(s); a decoder leaf stacks `layers` on a leading axis."""
+    """One leaf of our tree from its HF tensor(s); a decoder leaf stacks `layers` on a leading axis, an
+    expert leaf each layer's experts on the next: [L, E, ...]."""
     stacked = []
     for layer in [None] if layers is None else layers:
-        name, transpose = _hf_names(path, layer)
-        if name not in tensors:
-            raise ModelLoadError(f"{folder}: tensor {name!r} missing from the safetensors files")
-        array = tensors[name].get(name)
-        array = array.T if transpose else array
-        want = shape if layer is None else shape[1:]
-        if tuple(array.shape) != tuple(want):
-            raise ModelLoadError(f"{tensors[name].path}: tensor {name!r} has shape {list(array.shape)}, "
-                                 f"config.json implies {list(want)}")
-        stacked.append(array)
+        experts = _experts_of(config, path)
+        per_expert = []
+        for expert in experts:
+            name, transpose = _hf_names(config, path, layer, expert)
+            if name not in tensors:
+                raise ModelLoadError(f"{folder}: tensor {name!r} missing from the safetensors files")
+            array = tensors[name].get(name)
+            array = array.T if transpose else array
+            want = shape[(layer is not None) + (expert is not None):]
+            if tuple(array.shape) != tuple(want):
+                raise ModelLoadError(f"{tensors[name].path}: tensor {name!r} has shape {list(array.shape)}, "
+                                     f"config.json implies {list(want)}")
+            per_expert.append(array)
+        stacked.append(per_expert[0] if experts == [None] else np.stack(per_expert))
     return stacked[0] if layers is None else np.stack(stacked)
 
 def save_hf(folder: str | Path, params: Params, config: LlamaConfig) -> None:
@@ -208,12 +228,18 @@ def save_hf(folder: str | Path, params: Params, config: LlamaConfig) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for path, leaf in _leaf_paths(params):
-        array = np.asarray(leaf)
-        for layer in ([None] if path[0] != "layers" else range(array.shape[0])):
-            name, transpose = _hf_names(path, layer)
-            value = array if layer is None else array[layer]
-            tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+    for path, leaf in _leaf_paths({k: v for k, v in params.items() if k != "layers"}):
+        name, transpose = _hf_names(config, path, None)
+        tensors[name] = np.ascontiguousarray(np.asarray(leaf).T if transpose else np.asarray(leaf))
+    for run, (rows, _) in zip(runs_of(params["layers"]), _layer_runs_of(config, (0, config.num_hidden_layers)),
+                              strict=True):
+        for path, leaf in _leaf_paths(run):
+            array = np.asarray(leaf)
+            for row, layer in enumerate(rows):
+                for expert in _experts_of(config, path):
+                    value = array[row] if expert is None else array[row, expert]
+                    name, transpose = _hf_names(config, ("layers", *path), layer, expert)
+                    tensors[name] = np.ascontiguousarray(value.T if transpose else value)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     _write_config(folder, config)
 
@@ -270,83 +296,67 @@ def resolve_model(name_or_path: str | Path, dtype: str | None = None
 
 
 def stage_leaves(config: LlamaConfig, is_first: bool, is_last: bool) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """The leaves (path, full shape) a stage needs: the layers, plus embedding / head at the ends."""
+    """The leaves outside the decoder layers (path, shape) a stage needs: embedding / head at the ends."""
     tied = config.tie_word_embeddings
-    for path, leaf in _leaf_paths(_expected_params(config)):
+    for path, leaf in _leaf_paths({k: v for k, v in _expected_params(config).items() if k != "layers"}):
         top = path[0]
-        if (top == "layers" or (top == "embed" and (is_first or (is_last and tied)))  # tied: embed is the head
-                or (top in ("norm", "lm_head") and is_last)):
-            yield path, leaf
+        if (top == "embed" and (is_first or (is_last and tied))) or (top in ("norm", "lm_head") and is_last):
+            yield path, leaf  # tied: embed is the head
 
 
 def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, is_last: bool,
                       quantization: str | None = None) -> Params:
     """Host (numpy) params of one pipeline stage, in `spec.config.dtype` except fp8 decoder-layer
-    kernels (stored so, or `quantization="fp8"`), which come with their `kernel_scale`; reads nothing else."""
-    start, end = layers
+    kernels (stored so, or `quantization="fp8"`), which come with their `kernel_scale`; reads nothing else.
+    The stage's layers are one stacked tree, or a list of them where its layers are runs of both kinds;
+    an MoE layer's per-expert tensors are stacked as they are read, one stage at a time."""
     config = spec.config
     read_scales = None
     if spec.format == "orbax":
+        if len(config.layer_runs()) > 1:
+            raise ModelLoadError(f"{spec.folder}: orbax folders of models with both dense and MoE layers are not "
+                                 "supported; load the Hugging Face folder")
         read = _orbax_reader(spec.folder / ORBAX_PARAMS_DIR)
     else:
         tensors = _open_shards(spec.folder)
 
         def read(path: tuple[str, ...], shape: tuple[int, ...], rows: range | None) -> np.ndarray:
-            return _read_hf_leaf(tensors, spec.folder, path, shape, rows)
+            return _read_hf_leaf(tensors, spec.folder, config, path, shape, rows)
 
         def read_scales(path: tuple[str, ...], rows: range, out_features: int) -> np.ndarray:
-            return _read_hf_weight_scales(tensors, spec.folder, path, rows, out_features)
+            return read_hf_weight_scales(tensors, spec.folder, path, rows, out_features,
+                                          lambda p, layer, expert: _hf_names(config, p, layer, expert)[0],
+                                          _experts_of(config, path))
 
     target = _NP_DTYPES[config.dtype]
     params: dict[str, Any] = {}
     for path, leaf in stage_leaves(config, is_first, is_last):
-        rows = range(start, end) if path[0] == "layers" else None
-        value = np.asarray(read(path, leaf.shape, rows))
-        if value.dtype in _FP8_NP:
-            if value.dtype != FP8_WEIGHT_DTYPE or rows is None or path[-1] != "kernel" or read_scales is None:
-                raise ModelLoadError(f"{spec.folder}: {'.'.join(path)} is stored in {value.dtype}; only "
-                                     "decoder-layer Linear weights in float8_e4m3 (F8_E4M3) are supported")
-            _set(params, path, value)
-            _set(params, (*path[:-1], "kernel_scale"), read_scales(path, rows, value.shape[-1]))
-        elif quantization == "fp8" and rows is not None and path[-1] == "kernel":
-            kernel, scale = quantize_fp8_per_channel(value)
-            _set(params, path, kernel)
-            _set(params, (*path[:-1], "kernel_scale"), scale)
-        else:
-            _set(params, path, value.astype(target, copy=False))
+        _set(params, path, np.asarray(read(path, leaf.shape, None)).astype(target, copy=False))
+    runs = []
+    for rows, one_layer in _layer_runs_of(config, layers):
+        run: dict[str, Any] = {}
+        for path, leaf in _leaf_paths(one_layer):
+            value = np.asarray(read(("layers", *path), (len(rows), *leaf.shape), rows))
+            for name, array in _weight_leaves(spec, path, value, rows, quantization, read_scales, target):
+                _set(run, (*path[:-1], name), array)
+        runs.append(run)
+    params["layers"] = runs[0] if len(runs) == 1 else runs
     return params
 
 
-FP8_E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-
-
-def quantize_fp8_per_channel(kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., in, out] float -> (the same shape in float8_e4m3fn, [..., out] float32 scales): each output
-    channel's largest |w| maps to 448; kernel ~= fp8 * scale. A channel of zeros gets scale 1."""
-    w = kernel.astype(np.float32)
-    amax = np.abs(w).max(axis=-2)
-    scale = np.where(amax > 0, amax / FP8_E4M3_MAX, 1.0).astype(np.float32)
-    quantized = np.clip(w / scale[..., None, :], -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_WEIGHT_DTYPE)
-    return quantized, scale
-
-
-def _read_hf_weight_scales(tensors: dict[str, _SafetensorsFile], folder: Path, path: tuple[str, ...],
-                           rows: range, out_features: int) -> np.ndarray:
-    """[len(rows), out] float32: each layer's `<linear>.weight_scale`, per tensor or per output channel."""
-    stacked = []
-    for layer in rows:
-        weight, _ = _hf_names(path, layer)
-        name = weight + "_scale"
-        if name not in tensors:
-            hint = (" (block-wise fp8 with weight_scale_inv is not supported)" if weight + "_scale_inv" in tensors
-                    else "")
-            raise ModelLoadError(f"{folder}: {weight} is fp8 but {name!r} is missing{hint}")
-        scale = np.asarray(tensors[name].get(name), np.float32).reshape(-1)
-        if scale.size not in (1, out_features):
-            raise ModelLoadError(f"{tensors[name].path}: {name!r} has {scale.size} values; per-tensor (1) or "
-                                 f"per-output-channel ({out_features}) scales are supported")
-        stacked.append(np.broadcast_to(scale, (out_features,)))
-    return np.stack(stacked).astype(np.float32)
+def _weight_leaves(spec: ModelSpec, path: tuple[str, ...], value: np.ndarray, rows: range,
+                   quantization: str | None, read_scales: Any, target: Any) -> list[tuple[str, np.ndarray]]:
+    """One decoder leaf as stored: as it is, or an fp8 `kernel` with its `kernel_scale` (stored fp8, or
+    `--quantization fp8` of a Linear's kernel; an MoE router stays in the model dtype, as in vLLM)."""
+    if value.dtype in _FP8_NP:
+        if value.dtype != FP8_WEIGHT_DTYPE or path[-1] != "kernel" or read_scales is None:
+            raise ModelLoadError(f"{spec.folder}: layers.{'.'.join(path)} is stored in {value.dtype}; only "
+                                 "decoder-layer Linear weights in float8_e4m3 (F8_E4M3) are supported")
+        return [("kernel", value), ("kernel_scale", read_scales(("layers", *path), rows, value.shape[-1]))]
+    if quantization == "fp8" and path[-1] == "kernel" and path[-2] != "gate":
+        kernel, scale = quantize_fp8_per_channel(value)
+        return [("kernel", kernel), ("kernel_scale", scale)]
+    return [(path[-1], value.astype(target, copy=False))]
 
 
 KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),               # vLLM's, compressed-tensors

@@ -1,9 +1,11 @@
-"""Model configuration: one frozen dataclass for the Llama family, read from a Hugging Face `config.json`.
+"""Model configuration: one frozen dataclass for every family, read from a Hugging Face `config.json`.
 
-`LlamaConfig.from_pretrained(folder)` reads the file, `from_hf_dict` validates and normalises it (the
-three supported architectures differ only in defaults: Qwen2 always has q/k/v bias), and `to_hf_dict`
-writes a `config.json` that `transformers` loads back. Both the old (`rope_theta` + `rope_scaling`) and
-the transformers-5 (`rope_parameters`) spellings of RoPE are accepted. Host-side: no jax here.
+`ModelConfig.from_pretrained(folder)` reads the file, `from_hf_dict` validates and normalises it: the
+fields every decoder shares are read here, the ones that differ (biases, sliding windows, q/k norms,
+experts and which layers have them) by the architecture's family (`jaxcpp.models.families`).
+`to_hf_dict` writes a `config.json` that `transformers` loads back. Both the old (`rope_theta` +
+`rope_scaling`) and the transformers-5 (`rope_parameters`) spellings of RoPE are accepted. `LlamaConfig`
+is the same class under its first name. Host-side: no jax here.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from jaxcpp.errors import ModelLoadError
+from jaxcpp.models.families import FAMILIES, Family
+from jaxcpp.models.families.base import check as _check
+from jaxcpp.models.families.base import is_int as _is_int
+from jaxcpp.models.families.base import typed as _typed
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {arch: family.model_type for arch, family in FAMILIES.items()}
 MODEL_TYPES = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -28,7 +34,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,6 +53,12 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"
     dtype: str = "float32"  # the checkpoint's parameter dtype
     sliding_window: int | None = None  # kept for round trips; max_position_embeddings is capped to it
+    qk_norm: bool = False  # RMSNorm on q and k over head_dim before RoPE (Qwen3)
+    num_experts: int = 0  # > 0: a mixture of experts in every layer not in dense_layers
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # an MoE model's layers that keep the dense MLP
 
     def __post_init__(self) -> None:
         _check(self.architecture in ARCHITECTURES, "architectures",
@@ -62,10 +74,13 @@ class LlamaConfig:
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(self.dtype in DTYPES, "torch_dtype", f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
         _validate_rope_scaling(self.rope_scaling)
-        if self.model_type != "llama":
-            want = self.model_type == "qwen2"
-            _check(self.attention_bias == want, "attention_bias",
-                   f"{self.architecture} {'always' if want else 'never'} has q/k/v biases")
+        fixed = self.family.fixed_bias
+        _check(fixed is None or self.attention_bias == fixed, "attention_bias",
+               f"{self.architecture} {'always' if fixed else 'never'} has q/k/v biases")
+        if self.num_experts:
+            _check(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                   f"must be in [1, {self.num_experts}], got {self.num_experts_per_tok}")
+            _check(self.moe_intermediate_size >= 1, "moe_intermediate_size", "must be a positive integer")
 
     def __hash__(self) -> int:  # the config is a static jit argument; rope_scaling is a dict
         items = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
@@ -73,23 +88,63 @@ class LlamaConfig:
                           for f in dataclasses.fields(self)))
 
     @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
     def model_type(self) -> str:
-        return ARCHITECTURES[self.architecture]
+        return self.family.model_type
 
     @property
     def attention_out_bias(self) -> bool:
-        """o_proj bias: Llama's `attention_bias` covers all four projections, Qwen2's only q/k/v."""
-        return self.attention_bias and self.model_type == "llama"
+        """o_proj bias: Llama's (and Qwen3's) `attention_bias` covers all four projections, Qwen2's only q/k/v."""
+        return self.attention_bias and self.family.bias_covers_o_proj
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def layer_runs(self, start: int = 0, end: int | None = None) -> list[tuple[bool, int, int]]:
+        """Layers [start, end) as runs of alike layers: (is_moe, run start, run end). Each run is one
+        stacked tree and one `lax.scan`; a dense model, or an MoE model without dense layers, is one run."""
+        end = self.num_hidden_layers if end is None else end
+        runs: list[tuple[bool, int, int]] = []
+        for layer in range(start, end):
+            moe = self.is_moe_layer(layer)
+            if runs and runs[-1][0] == moe:
+                runs[-1] = (moe, runs[-1][1], layer + 1)
+            else:
+                runs.append((moe, layer, layer + 1))
+        return runs
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, active per token) parameters: an MoE layer holds every expert but runs only
+        `num_experts_per_tok` of them."""
+        d, heads, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attention = d * hd * (2 * heads + 2 * kv) + 2 * d + (2 * hd if self.qk_norm else 0)
+        if self.attention_bias:
+            attention += hd * (heads + 2 * kv) + (d if self.attention_out_bias else 0)
+        dense = 3 * d * self.intermediate_size
+        expert = 3 * d * self.moe_intermediate_size
+        total = active = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        for layer in range(self.num_hidden_layers):
+            if self.is_moe_layer(layer):
+                router = d * self.num_experts
+                total += attention + router + self.num_experts * expert
+                active += attention + router + self.num_experts_per_tok * expert
+            else:
+                total += attention + dense
+                active += attention + dense
+        return total, active
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def replace(self, **changes: Any) -> LlamaConfig:
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
-    def from_hf_dict(d: dict[str, Any], source: str = CONFIG_FILE) -> LlamaConfig:
+    def from_hf_dict(d: dict[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
         """Validate a Hugging Face config dict; errors name `source` and the offending field."""
         try:
             return _from_hf_dict(d)
@@ -97,7 +152,7 @@ class LlamaConfig:
             raise ModelLoadError(f"{source}: {e}") from None
 
     @staticmethod
-    def from_pretrained(folder: str | Path) -> LlamaConfig:
+    def from_pretrained(folder: str | Path) -> ModelConfig:
         path = Path(folder) / CONFIG_FILE
         if not path.is_file():
             raise ModelLoadError(f"{path}: not found (a model folder needs a Hugging Face {CONFIG_FILE})")
@@ -107,7 +162,7 @@ class LlamaConfig:
             raise ModelLoadError(f"{path}: unreadable JSON ({e})") from None
         if not isinstance(d, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
-        return LlamaConfig.from_hf_dict(d, source=str(path))
+        return ModelConfig.from_hf_dict(d, source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` dict that both transformers 4 (rope_theta/rope_scaling) and 5 read."""
@@ -131,36 +186,10 @@ class LlamaConfig:
             "eos_token_id": _eos_out(self.eos_token_ids),
             "torch_dtype": self.dtype,
         }
-        if self.model_type == "llama":
-            d["attention_bias"] = self.attention_bias
-            d["mlp_bias"] = False
-        else:
-            d["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen2":
-            d["use_sliding_window"] = False
-        return d
+        return {**d, **self.family.to_hf(self)}
 
 
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ModelLoadError(f"{field}: {message}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a layer count
-
-
-def _typed(d: dict[str, Any], key: str, kind: str, default: Any = None) -> Any:
-    """d[key] (or `default` when absent or null), checked to be JSON `kind`: int, number, bool,
-    string or object; a wrong type is a ModelLoadError naming the field, not a TypeError later."""
-    value = d.get(key)
-    if value is None:
-        return default
-    ok = {"int": _is_int(value), "number": _is_int(value) or isinstance(value, float),
-          "bool": isinstance(value, bool), "string": isinstance(value, str),
-          "object": isinstance(value, dict)}[kind]
-    _check(ok, key, f"must be a JSON {kind}, got {value!r}")
-    return value
+LlamaConfig = ModelConfig  # the name it had while Llama was the only family
 
 
 def _validate_rope_scaling(rope: dict[str, Any] | None) -> None:
@@ -218,22 +247,11 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
-    if model_type == "llama":
-        return None
-    if model_type == "qwen2" and not d.get("use_sliding_window", False):
-        return None
-    window = d.get("sliding_window")
-    _check(window is None or (isinstance(window, int) and window >= 1), "sliding_window",
-           f"must be a positive integer or null, got {window!r}")
-    return window
-
-
-def _from_hf_dict(d: dict[str, Any]) -> LlamaConfig:
+def _from_hf_dict(d: dict[str, Any]) -> ModelConfig:
     arch = _architecture(d)
     _check(arch in ARCHITECTURES, "architectures",
            f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-    model_type = ARCHITECTURES[arch]
+    family_fields = FAMILIES[arch].parse(d)
     act = d.get("hidden_act", d.get("hidden_activation", "silu"))
     _check(act == "silu", "hidden_act", f"only 'silu' (SwiGLU) is supported, got {act!r}")
     _check(not d.get("mlp_bias", False), "mlp_bias", "MLP biases are not supported")
@@ -252,16 +270,14 @@ def _from_hf_dict(d: dict[str, Any]) -> LlamaConfig:
     dtype_key = "torch_dtype" if d.get("torch_dtype") is not None else "dtype"
     dtype = _typed(d, dtype_key, "string", "float32")
     max_pos = _typed(d, "max_position_embeddings", "int", _required(d, "max_position_embeddings"))
-    window = _sliding_window(d, model_type)
+    window = family_fields["sliding_window"]
     if window is not None and window < max_pos:
         # Within the window, sliding-window attention equals full attention; beyond it we would be
         # wrong, so the usable context is capped instead (see docs/models.md).
         logger.warning("sliding_window=%d < max_position_embeddings=%d: capping the context at %d tokens",
                        window, max_pos, window)
         max_pos = window
-    # HF's Mistral has no biases whatever the field says; Qwen2 always has q/k/v biases.
-    bias = {"llama": _typed(d, "attention_bias", "bool", False), "mistral": False, "qwen2": True}[model_type]
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=_typed(d, "vocab_size", "int", _required(d, "vocab_size")),
         hidden_size=hidden,
         intermediate_size=_typed(d, "intermediate_size", "int", _required(d, "intermediate_size")),
@@ -274,10 +290,9 @@ def _from_hf_dict(d: dict[str, Any]) -> LlamaConfig:
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=_typed(d, "tie_word_embeddings", "bool", False),
-        attention_bias=bias,
         bos_token_id=_typed(d, "bos_token_id", "int"),
         eos_token_ids=eos_ids,
         architecture=arch,
         dtype=str(dtype),
-        sliding_window=window,
+        **family_fields,
     )

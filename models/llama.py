@@ -1,15 +1,20 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in flax.linen, driven through a small functional API.
+"""The decoder every family shares (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE), in flax.linen,
+driven through a small functional API.
 
-The math lives in linen modules (`RMSNorm`, `Attention`, `MLP`, `DecoderLayer`); the functions below apply
-them to a plain params pytree whose decoder layers are stacked along a leading `num_layers` axis:
+The math lives in linen modules (`RMSNorm`, `Attention`, `MLP`, `MoEBlock`, `DecoderLayer`; the pieces in
+`layers` and `moe`); the functions below apply them to a plain params pytree whose decoder layers are
+stacked along a leading `num_layers` axis:
 
     {"embed": [V, D], "layers": {<one DecoderLayer's params, each with a leading [L] axis>},
      "norm": [D], "lm_head": [D, V] (absent when the embeddings are tied)}
 
-A pipeline stage is a slice `layers[start:end]`, run by `run_layers` under `jax.lax.scan`, so compile
-time does not grow with depth. The decoder layer takes attention as a callable: the paged path writes the
-new K/V into the stage's `KVCache` and calls the ragged paged attention op; `forward_dense` (training,
-tests) uses plain causal attention. The model knows nothing of stages, sharding or scheduling.
+Where layers differ (an MoE model's dense layers, `ModelConfig.layer_runs`), "layers" is a list of runs
+of alike layers, each such a stacked tree; a layer is an MoE layer when its "mlp" holds "experts".
+A pipeline stage is a slice `layers[start:end]` (cut into its runs), run by `run_layers` under one
+`jax.lax.scan` per run, so compile time does not grow with depth. The decoder layer takes attention as a
+callable: the paged path writes the new K/V into the stage's `KVCache` and calls the ragged paged
+attention op; `forward_dense` (training, tests) uses plain causal attention.
+The model knows nothing of stages, sharding or scheduling.
 
 8-bit storage: fp8 KV pages keep a K and a V scale per layer in the `KVCache` (writes quantize, the
 attention op dequantizes on read); fp8 decoder weights are a `kernel` in float8_e4m3fn beside its
@@ -34,13 +39,14 @@ from jaxcpp.kernels.ragged_paged_attention import (
     write_kv_pages,
 )
 from jaxcpp.models.config import LlamaConfig
+from jaxcpp.models.layers import INIT_STD, MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
+from jaxcpp.models.moe import ExpertsFn, MoEBlock, grouped_experts
+
+__all__ = ["INIT_STD", "MLP", "RMSNorm", "apply_rope", "rope_inv_freq"]  # re-exported: their old home
 
 Params = dict[str, Any]
 # attend(q [..., T, H, Dh], k [..., T, Hkv, Dh], v [..., T, Hkv, Dh]) -> (out [..., T, H, Dh], aux)
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
-
-INIT_STD = 0.02
-
 
 class KVCache(NamedTuple):
     """Device state of one stage's pages."""
@@ -56,65 +62,6 @@ class KVCache(NamedTuple):
 KV_SCALE_HEADROOM = 2.0  # calculated scales map the first prefill's largest |K| to half the format's max
 
 
-# ----------------------------------------------------------------------------------------------- RoPE
-
-
-def rope_inv_freq(config: LlamaConfig) -> np.ndarray:  # [head_dim // 2] float32
-    """Inverse frequencies exactly as transformers computes them (float32), incl. linear/llama3 scaling."""
-    f32 = np.float32
-    dim = config.head_dim
-    inv_freq = f32(1.0) / (f32(config.rope_theta) ** (np.arange(0, dim, 2).astype(f32) / f32(dim)))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = f32(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
-    low, high = f32(scaling["low_freq_factor"]), f32(scaling["high_freq_factor"])
-    old_len = f32(scaling["original_max_position_embeddings"])
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = f32(2 * np.pi) / inv_freq
-    inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (f32(1.0) - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(is_medium, smoothed, inv_freq_llama).astype(f32)
-
-
-def apply_rope(
-    x: jax.Array,  # [..., T, H, Dh]
-    positions: jax.Array,  # [T] or [..., T] int32
-    inv_freq: np.ndarray,  # [Dh // 2] float32
-) -> jax.Array:  # [..., T, H, Dh]
-    """Rotate-half RoPE (the Hugging Face Llama layout): angles in float32, then cast to x's dtype."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, Dh/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, Dh]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
-# --------------------------------------------------------------------------------------------- modules
-
-
-class RMSNorm(nn.Module):
-    eps: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)  # [D]
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return scale.astype(x.dtype) * x32.astype(x.dtype)
-
-
-def _dense(features: int, use_bias: bool, param_dtype: Any, name: str) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, param_dtype=param_dtype, name=name,
-                    kernel_init=nn.initializers.normal(INIT_STD))
-
-
 class Attention(nn.Module):
     """The projections around attention; the attention itself is the caller's (paged or dense)."""
 
@@ -127,6 +74,9 @@ class Attention(nn.Module):
         self.k_proj = _dense(c.num_key_value_heads * c.head_dim, c.attention_bias, dt, "k_proj")
         self.v_proj = _dense(c.num_key_value_heads * c.head_dim, c.attention_bias, dt, "v_proj")
         self.o_proj = _dense(c.hidden_size, c.attention_out_bias, dt, "o_proj")
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            self.q_norm = RMSNorm(c.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(c.rms_norm_eps, dt)
 
     def qkv(
         self,
@@ -138,6 +88,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(*lead, c.num_attention_heads, c.head_dim)
         k = self.k_proj(x).reshape(*lead, c.num_key_value_heads, c.head_dim)
         v = self.v_proj(x).reshape(*lead, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(c)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
@@ -145,60 +97,65 @@ class Attention(nn.Module):
         return self.o_proj(attn.reshape(*attn.shape[:-2], -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    config: LlamaConfig
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
-        c, dt = self.config, self.param_dtype
-        gate = _dense(c.intermediate_size, False, dt, "gate_proj")(x)
-        up = _dense(c.intermediate_size, False, dt, "up_proj")(x)
-        return _dense(c.hidden_size, False, dt, "down_proj")(nn.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     config: LlamaConfig
     param_dtype: Any = jnp.float32
+    moe: bool = False  # the MoE block in place of the dense MLP
 
     def setup(self) -> None:
         c, dt = self.config, self.param_dtype
         self.input_layernorm = RMSNorm(c.rms_norm_eps, dt)
         self.self_attn = Attention(c, dt)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dt)
-        self.mlp = MLP(c, dt)
+        self.mlp = MoEBlock(c, dt) if self.moe else MLP(c, dt)
 
     def __call__(
         self,
         hidden: jax.Array,  # [..., T, D]
         positions: jax.Array,  # [T] or [..., T] int32
         attend: Attend,
+        experts_fn: ExpertsFn = grouped_experts,
     ) -> tuple[jax.Array, Any]:  # ([..., T, D], whatever `attend` returned beside its output)
         q, k, v = self.self_attn.qkv(self.input_layernorm(hidden), positions)
         attn, aux = attend(q, k, v)
         hidden = hidden + self.self_attn.out(attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), aux
+        normed = self.post_attention_layernorm(hidden)
+        return hidden + (self.mlp(normed, experts_fn) if self.moe else self.mlp(normed)), aux
+
+
+def is_moe_run(run: Params) -> bool:
+    """A stacked run of layers is an MoE run when its "mlp" holds the experts."""
+    return "experts" in run["mlp"]
+
+
+def runs_of(layer_params: Params | list[Params]) -> list[Params]:
+    """The runs of alike layers: a stacked tree is one run."""
+    return layer_params if isinstance(layer_params, list) else [layer_params]
 
 
 # ------------------------------------------------------------------------------------- functional API
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
-    """Random params (normal(0.02) weights, unit norms, zero biases) with layers stacked on axis 0."""
+    """Random params (normal(0.02) weights, unit norms, zero biases) with layers stacked on axis 0
+    (a list of such runs where dense and MoE layers mix)."""
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     d, v = config.hidden_size, config.vocab_size
-    layer = DecoderLayer(config, dtype)
 
-    def init_layer(k: jax.Array) -> Params:
-        dummy = jnp.zeros((1, d), dtype)
-        return layer.init(k, dummy, jnp.zeros((1,), jnp.int32), lambda q, k_, v_: (q, None))["params"]
+    def init_run(moe: bool, keys: jax.Array) -> Params:
+        layer = DecoderLayer(config, dtype, moe)
+
+        def init_layer(k: jax.Array) -> Params:
+            dummy = jnp.zeros((1, d), dtype)
+            return layer.init(k, dummy, jnp.zeros((1,), jnp.int32), lambda q, k_, v_: (q, None))["params"]
+
+        return jax.vmap(init_layer)(keys)  # {...: [L, ...]}
 
     keys = jax.random.split(k_layers, config.num_hidden_layers)
+    runs = [init_run(moe, keys[start:end]) for moe, start, end in config.layer_runs()]
     params: Params = {
         "embed": (jax.random.normal(k_embed, (v, d), jnp.float32) * INIT_STD).astype(dtype),  # [V, D]
-        "layers": jax.vmap(init_layer)(keys),  # {...: [L, ...]}
+        "layers": runs[0] if len(runs) == 1 else runs,
         "norm": jnp.ones((d,), dtype),  # [D]
     }
     if not config.tie_word_embeddings:
@@ -211,8 +168,8 @@ def embed(params: Params, token_ids: jax.Array) -> jax.Array:  # [...] int32 -> 
     return jnp.take(params["embed"], token_ids, axis=0)
 
 
-def num_layers_of(layer_params: Params) -> int:
-    return int(jax.tree_util.tree_leaves(layer_params)[0].shape[0])
+def num_layers_of(layer_params: Params | list[Params]) -> int:
+    return sum(int(jax.tree_util.tree_leaves(run)[0].shape[0]) for run in runs_of(layer_params))
 
 
 def dequantize_weights(layer_params: Params, dtype: Any) -> Params:
@@ -273,7 +230,7 @@ def _write_layer_kv(
 
 
 def run_layers(
-    layer_params: Params,  # {...: [L, ...]}: all layers or a stage's slice
+    layer_params: Params | list[Params],  # {...: [L, ...]} (or runs of them): all layers or a stage's slice
     hidden: jax.Array,  # [T, D]
     kv: KVCache,  # pages of exactly these L layers
     md: AttentionMetadata,
@@ -281,14 +238,29 @@ def run_layers(
     attention_fn: AttentionFn = ragged_paged_attention_reference,
     *,
     calculate_kv_scales: bool = False,
+    experts_fn: ExpertsFn = grouped_experts,
 ) -> tuple[jax.Array, KVCache]:  # ([T, D], kv with this step's K/V written)
-    """Run stacked decoder layers on a ragged token batch, writing each layer's new K/V in place.
+    """Run stacked decoder layers on a ragged token batch, writing each layer's new K/V in place; one
+    scan per run of alike layers, the runs' layers numbered on through the one KV cache.
     fp8 pages: writes quantize with the layer's scales, which the attention op gets to dequantize;
-    `calculate_kv_scales`: scales still 0 are set from this step's K/V first (`_calculated_scales`)."""
+    `calculate_kv_scales`: scales still 0 are set from this step's K/V first (`_calculated_scales`);
+    `experts_fn`: the MoE layers' experts (expert-parallel under a mesh: `sharding.shard_experts`)."""
     num_layers = num_layers_of(layer_params)
     if kv.k.shape[0] != num_layers:
         raise ValueError(f"KV cache holds {kv.k.shape[0]} layers but layer_params has {num_layers}")
-    layer = DecoderLayer(config)
+    first = 0
+    for run in runs_of(layer_params):
+        n = num_layers_of(run)
+        hidden, kv = _run_alike(run, first, hidden, kv, md, config, attention_fn, calculate_kv_scales, experts_fn)
+        first += n
+    return hidden, kv
+
+
+def _run_alike(run: Params, first: int, hidden: jax.Array, kv: KVCache, md: AttentionMetadata, config: LlamaConfig,
+               attention_fn: AttentionFn, calculate_kv_scales: bool, experts_fn: ExpertsFn
+               ) -> tuple[jax.Array, KVCache]:
+    """One run of alike layers under `lax.scan`; its layers are the cache's first, first + 1, ..."""
+    layer = DecoderLayer(config, moe=is_moe_run(run))
     fp8 = is_fp8(kv.k.dtype)
 
     def body(carry: tuple[jax.Array, KVCache], xs: tuple[Params, jax.Array]) -> tuple[Any, None]:
@@ -308,10 +280,11 @@ def run_layers(
             return attention_fn(*pages, scales) if fp8 else attention_fn(*pages), new_kv
 
         lp = dequantize_weights(lp, hidden.dtype)
-        out: Any = layer.apply({"params": lp}, hidden, md.positions, attend)  # (hidden, kv)
+        out: Any = layer.apply({"params": lp}, hidden, md.positions, attend, experts_fn)  # (hidden, kv)
         return out, None
 
-    (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_params, jnp.arange(num_layers)))
+    indices = jnp.arange(first, first + num_layers_of(run))
+    (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (run, indices))
     return hidden, kv
 
 
@@ -361,15 +334,18 @@ def forward_dense(
     config: LlamaConfig,
 ) -> jax.Array:  # [B, T, V] float32
     """Whole sequences from position 0 with plain causal attention: training and tests."""
-    layer = DecoderLayer(config)
     positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
+    hidden = embed(params, token_ids)
+    for run in runs_of(params["layers"]):
+        layer = DecoderLayer(config, moe=is_moe_run(run))
 
-    def body(hidden: jax.Array, lp: Params) -> tuple[jax.Array, None]:
-        hidden, _ = layer.apply({"params": lp}, hidden, positions,
-                                lambda q, k, v: (dense_causal_attention(q, k, v), None))
-        return hidden, None
+        def body(hidden: jax.Array, lp: Params, layer: DecoderLayer = layer) -> tuple[jax.Array, None]:
+            lp = dequantize_weights(lp, hidden.dtype)
+            hidden, _ = layer.apply({"params": lp}, hidden, positions,
+                                    lambda q, k, v: (dense_causal_attention(q, k, v), None))
+            return hidden, None
 
-    hidden, _ = jax.lax.scan(body, embed(params, token_ids), params["layers"])
+        hidden, _ = jax.lax.scan(body, hidden, run)
     return compute_logits(params, hidden, config)
 
 

@@ -44,7 +44,7 @@ from jaxcpp.core.outputs import EngineStats, ModelInfo, RequestMetrics, RequestO
 from jaxcpp.core.page_allocator import PageAllocator
 from jaxcpp.core.scheduler import Scheduler, SchedulerOutput, StopRule
 from jaxcpp.core.sequence import Sequence
-from jaxcpp.core.sizing import EngineSizing
+from jaxcpp.core.sizing import EngineSizing, parameter_summary
 from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.core.step_input import StepInput, build_step_input, failing_chunks
 from jaxcpp.errors import InvalidRequestError
@@ -106,6 +106,7 @@ class LLMEngine:
         self._defer_masks = self.async_scheduling and getattr(self.executor, "defers_masks", False)
         self.scheduler.constrained_placeholders = self._defer_masks
         self._awaiting_mask: SchedulerOutput | None = None  # the step submitted without its draw
+        log.info("model %s: %s", self.sizing.spec.name, parameter_summary(self.sizing.spec.config))
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
                  len(self.sizing.shape.buckets), self.sizing.shape.buckets, self.warmup_seconds,

@@ -160,6 +160,21 @@ def _num_pages(config: EngineConfig, model: LlamaConfig, largest_stage_layers: i
     return num_pages
 
 
+def parameter_summary(model: LlamaConfig) -> str:
+    """"30.53B parameters, 3.35B active per token" (an MoE model runs only its chosen experts), or
+    "8.03B parameters" for a dense one: for the start-up log."""
+    total, active = model.param_counts()
+    text = f"{_count(total)} parameters"
+    return text if active == total else f"{text}, {_count(active)} active per token"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
 def generation_eos_token_ids(folder: Path) -> tuple[int, ...]:
     """`eos_token_id` of the folder's generation_config.json (an id or a list), or () without one."""
     try:

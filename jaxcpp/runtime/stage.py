@@ -44,9 +44,10 @@ from jaxcpp.core.step_input import Layout, StepShape, pack, padding_step
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
 from jaxcpp.models import llama
 from jaxcpp.models.config import LlamaConfig
+from jaxcpp.models.moe import grouped_experts
 from jaxcpp.runtime.packing import unpack
 from jaxcpp.runtime.sampler import History, SampledTokens, SamplingInput, empty_history, logprobs_of, sample_step
-from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention
+from jaxcpp.runtime.sharding import REPLICATED, kv_spec, named, param_specs, shard_attention, shard_experts
 from jaxcpp.structured.constraint import bitmask_words
 
 
@@ -187,6 +188,7 @@ class Stage:
                                  k_scale, v_scale)
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
+        self._experts_fn = shard_experts(grouped_experts, mesh, config)  # expert-parallel over "tp"
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         self._sampler = jax.jit(sample_step, donate_argnums=(1,), out_shardings=rep)
@@ -222,7 +224,8 @@ class Stage:
             token_ids = jnp.where(rows >= 0, fed_back[jnp.maximum(rows, 0)], batch["token_ids"])
             hidden = llama.embed(params, token_ids)  # [T, D]
         hidden, kv = llama.run_layers(params["layers"], hidden, kv, attention_metadata(batch), self.config,
-                                      attention_fn, calculate_kv_scales=calculate_kv_scales)
+                                      attention_fn, calculate_kv_scales=calculate_kv_scales,
+                                      experts_fn=self._experts_fn)
         if self.is_last:
             sampling = last_logits(params, hidden, batch, self.config, self.max_num_seqs, self.max_num_tokens)
             return (sampling, hidden), kv
