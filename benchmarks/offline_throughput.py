@@ -1,7 +1,8 @@
 """Offline throughput: jaxcpp's `LLM.generate` against Hugging Face `generate` on the same weights.
 
-Two workloads: `mixed` (prompts 32-1024 tokens, outputs 16-256) and `decode-heavy` (16-token prompts,
-`--output-len` tokens each), in batches of `--batch-size` for both engines. jaxcpp compiles every
+Three workloads: `mixed` (prompts 32-1024 tokens, outputs 16-256), `decode-heavy` (16-token prompts,
+`--output-len` tokens each) and `prompt-heavy` (1024-token prompts, `--output-len` tokens each), in
+batches of `--batch-size` for both engines. jaxcpp compiles every
 bucket at start-up and runs each once; that time is reported apart from the generation time. HF is
 warmed up too (its first batch, untimed) before it is timed. HF runs each batch
 left-padded, greedy, to the batch's longest output (its `generate` cannot stop rows separately without
@@ -13,6 +14,9 @@ depend on them, so the recorded steps price any ladder).
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 64 --model tiny
     .venv/bin/python benchmarks/offline_throughput.py --workload decode-heavy --batch-size 64 --skip-hf \
         --baseline main --repeat 3      # jaxcpp now vs its attention path and ladder at `main`, alternating
+    git worktree add /tmp/old 6b900d7   # then: jaxcpp now against that commit's whole package, alternating
+    .venv/bin/python benchmarks/offline_throughput.py --workload prompt-heavy --num-requests 32 --output-len 16 \
+        --batch-size 32 --skip-hf --checkout /tmp/old --repeat 3
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 
 import numpy as np
 
-MAX_PROMPT = {"mixed": 1024, "decode-heavy": 16}
+MAX_PROMPT = {"mixed": 1024, "decode-heavy": 16, "prompt-heavy": 1024}
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -36,6 +40,8 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
     n = args.num_requests
     if args.workload == "decode-heavy":
         return [rng.integers(3, min(vocab, 256), 16).tolist() for _ in range(n)], [args.output_len] * n
+    if args.workload == "prompt-heavy":
+        return [rng.integers(3, min(vocab, 256), 1024).tolist() for _ in range(n)], [args.output_len] * n
     prompts = [rng.integers(3, min(vocab, 256), int(rng.integers(32, 1025))).tolist() for _ in range(n)]
     outputs = [int(x) for x in rng.integers(16, 257, n)]
     return prompts, outputs
@@ -128,16 +134,39 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int
 
 
 def run_variant(args: argparse.Namespace, prompts: list[list[int]], outputs: list[int],
-                revision: str | None) -> dict:
+                revision: str | None, checkout: str | None = None) -> dict:
     """One jaxcpp run in a fresh process (so a baseline's attention path cannot leak into the other)."""
-    cmd = [sys.executable, __file__, "--jaxcpp-child", json.dumps({"args": vars(args), "revision": revision})]
+    spec = {"args": vars(args), "revision": revision, "checkout": checkout}
+    cmd = [sys.executable, __file__, "--jaxcpp-child", json.dumps(spec)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def import_package_from(checkout: str) -> None:
+    """Make `jaxcpp` (and its jaxcpp.models / kernels / serving folders) import from another checkout of
+    the project: a finder ahead of the venv's editable install, so a bisect needs no venv per commit."""
+    import importlib.util
+    from pathlib import Path
+
+    folders = {"jaxcpp": "jaxcpp", "jaxcpp.kernels": "kernels", "jaxcpp.models": "models", "jaxcpp.serving": "serving"}
+
+    class CheckoutFinder:
+        @staticmethod
+        def find_spec(name: str, path: object = None, target: object = None) -> object:
+            if name not in folders:
+                return None
+            folder = Path(checkout, folders[name])
+            return importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                          submodule_search_locations=[str(folder)])
+
+    sys.meta_path.insert(0, CheckoutFinder)
 
 
 def jaxcpp_child(spec: str) -> None:
     spec = json.loads(spec)
     args = argparse.Namespace(**spec["args"])
+    if spec.get("checkout"):
+        import_package_from(spec["checkout"])
     if spec["revision"]:
         from baseline import use_ladder_at
 
@@ -176,8 +205,8 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--workload", default="mixed", choices=("mixed", "decode-heavy"))
-    p.add_argument("--output-len", type=int, default=256, help="decode-heavy: output tokens per request")
+    p.add_argument("--workload", default="mixed", choices=tuple(MAX_PROMPT))
+    p.add_argument("--output-len", type=int, default=256, help="decode- and prompt-heavy: output tokens per request")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -187,6 +216,9 @@ def main() -> None:
     p.add_argument("--baseline", metavar="REV",
                    help="also run jaxcpp with the XLA attention path and the bucket ladder of git revision REV "
                         "(alternating)")
+    p.add_argument("--checkout", nargs="*", default=[], metavar="DIR",
+                   help="also run jaxcpp as the whole package in these checkouts (e.g. `git worktree add DIR REV`), "
+                        "alternating: a bisect over commits")
     p.add_argument("--price-decode-ladders", nargs="*", default=[], metavar="RUNGS",
                    help="also price the recorded steps with these decode-only rungs, e.g. 8,16,32 16,32 none")
     p.add_argument("--stub-attention", action="store_true",
@@ -203,11 +235,14 @@ def main() -> None:
           f"(median {statistics.median(map(len, prompts)):.0f}), output tokens {sum(outputs)}, "
           f"batches of {args.batch_size}")
     variants = {"jaxcpp": None, **({f"jaxcpp@{args.baseline}": args.baseline} if args.baseline else {})}
-    runs: dict[str, list[dict]] = {name: [] for name in [*variants, *([] if args.skip_hf else ["hf"])]}
+    checkouts = {f"jaxcpp@{os.path.basename(d.rstrip('/'))}": os.path.abspath(d) for d in args.checkout}
+    runs: dict[str, list[dict]] = {name: [] for name in [*variants, *checkouts, *([] if args.skip_hf else ["hf"])]}
     for _ in range(args.repeat):  # alternate, so load on the machine falls on every engine alike
         for name in runs:
             if name == "hf":
                 run = run_hf(args, prompts, outputs)
+            elif name in checkouts:
+                run = run_variant(args, prompts, outputs, None, checkouts[name])
             else:
                 run = run_variant(args, prompts, outputs, variants[name])
             runs[name].append(run)
