@@ -138,7 +138,7 @@ def run_variant(args: argparse.Namespace, prompts: list[list[int]], outputs: lis
     """One jaxcpp run in a fresh process (so a baseline's attention path cannot leak into the other)."""
     spec = {"args": vars(args), "revision": revision, "checkout": checkout}
     cmd = [sys.executable, __file__, "--jaxcpp-child", json.dumps(spec)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # its log and errors: ours
     return json.loads(out.strip().splitlines()[-1])
 
 
