@@ -14,6 +14,8 @@ transformers (for benchmarks/offline_throughput.py --model DIR/mixtral, DIR/qwen
     .venv/bin/python benchmarks/moe.py write-models /tmp/moe_models
     .venv/bin/python -P benchmarks/offline_throughput.py --model /tmp/moe_models/mixtral ...   # -P: see below
 
+On stage processes (TP 2 expert-parallel vs TP 1; dynamic-chunking calibration): benchmarks/moe_stages.py.
+
 (`-P` keeps benchmarks/ off sys.path: its kernels.py would shadow the `kernels` package transformers imports.)
 """
 

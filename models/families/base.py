@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxcpp.errors import ModelLoadError
 
-if TYPE_CHECKING:
-    from jaxcpp.models.config import ModelConfig
+# A jaxcpp.models.config.ModelConfig: named, not imported, since the config module imports the families.
+ModelConfig = Any
 
 
 def check(ok: bool, field: str, message: str) -> None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jaxcpp.models.families.base import Family, sliding_window, typed
-
-if TYPE_CHECKING:
-    from jaxcpp.models.config import ModelConfig
+from jaxcpp.models.families.base import Family, ModelConfig, sliding_window, typed
 
 
 def _llama(d: dict[str, Any]) -> dict[str, Any]:

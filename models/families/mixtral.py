@@ -6,12 +6,9 @@ projections `w1` (gate), `w3` (up) and `w2` (down).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jaxcpp.models.families.base import Family, hf_module_path, moe_fields, sliding_window
-
-if TYPE_CHECKING:
-    from jaxcpp.models.config import ModelConfig
+from jaxcpp.models.families.base import Family, ModelConfig, hf_module_path, moe_fields, sliding_window
 
 _EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 

@@ -6,12 +6,9 @@ Qwen3-MoE's sparse layers are those with `(i + 1) % decoder_sparse_step == 0` no
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jaxcpp.models.families.base import Family, check, is_int, moe_fields, sliding_window, typed
-
-if TYPE_CHECKING:
-    from jaxcpp.models.config import ModelConfig
+from jaxcpp.models.families.base import Family, ModelConfig, check, is_int, moe_fields, sliding_window, typed
 
 
 def _qwen3(d: dict[str, Any]) -> dict[str, Any]:
