@@ -209,7 +209,7 @@ class Server:
 
 
 def start(engine: str, model: Path, args: argparse.Namespace, log: Path) -> Server:
-    from jaxcpp.head.mp_executor import free_port
+    from jaxcpp.head.supervision import free_port
 
     port = free_port()
     common = ["--max-model-len", str(args.max_model_len), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
