@@ -4,7 +4,7 @@ The main model is random on purpose: 6 layers, so 4 stages split unevenly by def
 TP=2 shards the KV pages; an untied LM head, so TP shards the vocabulary. A second one has one KV head
 (TP keeps the pages replicated) and tied embeddings (the last stage needs the embedding as its head).
 Weights are scaled up so greedy choices are not near-ties that float32 summation order could flip.
-Engines are cached per configuration for the session: building one compiles its programs.
+Engines are cached per configuration for the module: building one compiles its programs.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def make_pp_llm():
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pp_llm(make_pp_llm):
-    """Like make_pp_llm, but one engine per distinct configuration for the whole session."""
+    """Like make_pp_llm, but one engine per distinct configuration for the whole module (no engine outlives
+    its module: tests/conftest.py drops the compiled programs after each)."""
     engines = {}
 
     def get(**kwargs):
