@@ -9,6 +9,8 @@ Engines are cached per configuration for the module: building one compiles its p
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -40,6 +42,22 @@ def random_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def mqa_tied_model(tmp_path_factory) -> str:
     return write_random_model(tmp_path_factory.mktemp("pp_model_mqa"), num_layers=4, num_kv_heads=1, tied=True)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of `pid`, in pid order, from every process's parent in /proc (a thread's
+    `task/TID/children` lists only what that thread forked, so the head's main thread may list none)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4 (ppid), after "(comm)"
+                children.append(int(entry))
+    return sorted(children)
 
 
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,

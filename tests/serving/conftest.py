@@ -66,6 +66,11 @@ def tiny_llm() -> Iterator[Any]:
         yield llm
 
 
+def offline(real_server, llm, prompts, params):
+    """`LLM.generate` run on the server's engine thread: the engine has exactly one driving thread."""
+    return real_server.server.engine_loop.submit(lambda: llm.generate(prompts, params)).result(timeout=300)
+
+
 @pytest.fixture(scope="module")
 def real_server(tiny_llm: Any) -> Iterator[ServerThread]:
     """One server around the module's tiny engine (tests must leave it idle: every page free)."""
