@@ -9,17 +9,20 @@ import time
 
 import pytest
 
+from jaxcpp.cli_args import engine_config_from_args
 from jaxcpp.config import ConfigError, EngineConfig
 from jaxcpp.core.kv_transfer import KVLayout, padded_pages, page_bucket, page_buckets
+from jaxcpp.serving.cli import build_parser
 from jaxcpp.serving.disaggregation import GrpcRemotePrefill, expand_targets
 
 CONSUMER = '{"kv_role": "kv_consumer"}'
 
 
 def test_roles_parse_and_dynamic_chunking_is_turned_off_with_a_warning_on_a_consumer(caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxcpp.config"):
-        consumer = EngineConfig.from_kwargs(kv_transfer_config=CONSUMER, prefill_servers="10.0.0.2:50051",
-                                            enable_dynamic_chunking=True)
+    flags = ["serve", "--kv-transfer-config", CONSUMER, "--prefill-servers", "10.0.0.2:50051",
+             "--enable-dynamic-chunking"]
+    with caplog.at_level(logging.WARNING, logger="jaxcpp.cli_args"):  # the command line logs what is off
+        consumer = engine_config_from_args(build_parser().parse_args(flags))
     assert consumer.kv_transfer.settings().consumes and not consumer.dynamic_chunking
     assert "--enable-dynamic-chunking is off on a kv_consumer" in caplog.text
     producer = EngineConfig.from_kwargs(kv_transfer_config='{"kv_role": "kv_producer", "kv_ip": "10.0.0.3"}',

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from jaxcpp.config import API_KEY_ENV, ConfigError, ServerConfig
 from jaxcpp.serving import Client
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.security import check_files, resolve_api_key
 from tests.serving.fakes import fake_engine
 
 KEY = "k3y-for-tests"
@@ -90,11 +91,11 @@ def test_key_flags_are_checked(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="--api-key-file: no such file"):
-        ServerConfig(api_key_file=str(tmp_path / "missing"))
+        check_files(ServerConfig(api_key_file=str(tmp_path / "missing")))  # at start-up (the CLI, Server)
     with pytest.raises(ConfigError, match="--api-key-file: give --api-key or --api-key-file"):
         ServerConfig(api_key="a", api_key_file=str(empty))
     with pytest.raises(ConfigError, match="--api-key-file: .* is empty"):
-        ServerConfig(api_key_file=str(empty)).resolve_api_key()
+        resolve_api_key(ServerConfig(api_key_file=str(empty)))
     with pytest.raises(ConfigError, match="--tls-client-ca: mutual TLS needs"):
         ServerConfig(tls_client_ca=str(empty))
 
