@@ -57,6 +57,15 @@ def test_bad_settings_name_the_flag(kwargs, message):
     assert message in str(err.value)
 
 
+def test_the_fake_remote_has_the_contract_s_methods_and_no_other():
+    from jaxcpp.core.kv_transfer import RemotePrefill
+
+    def methods(cls: type) -> set[str]:
+        return {name for name in vars(cls) if not name.startswith("_")}
+
+    assert methods(_FakeRemote) == methods(RemotePrefill)
+
+
 def test_page_buckets_are_powers_of_two_on_both_sides():
     assert page_buckets(16) == [1, 2, 4, 8, 16] and page_buckets(17) == [1, 2, 4, 8, 16, 32]
     assert [page_bucket(n) for n in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, 32]
@@ -110,7 +119,8 @@ def test_a_name_with_several_addresses_is_that_many_producers(monkeypatch):
 
 
 class _FakeRemote:
-    """A RemotePrefill that ends jobs when the test says so, and records the pulls handed back to it."""
+    """A RemotePrefill (every method of the protocol, no other) that ends jobs when the test says so, and
+    records the pulls handed back to it."""
 
     def __init__(self) -> None:
         self.started: list = []
@@ -129,6 +139,9 @@ class _FakeRemote:
     def done(self, wait_s: float) -> list:
         ended, self.ended = self.ended, []
         return ended
+
+    def unready_reason(self) -> str | None:
+        return None  # its one producer is always ready
 
     def close(self) -> None:
         pass
