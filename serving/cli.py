@@ -110,10 +110,9 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from jaxcpp.serving.lifecycle import Server, serve
-
-    configure_cli_logging(args.log_level)
     from jaxcpp.serving.security import check_files
 
+    configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)
     check_files(server_config)  # before anything starts, on every host of a pipeline
     engine_config = engine_config_from_args(args)

@@ -100,6 +100,21 @@ def test_key_flags_are_checked(tmp_path: Path) -> None:
         ServerConfig(tls_client_ca=str(empty))
 
 
+def test_a_missing_file_is_named_before_anything_starts(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The files are checked at start-up, not in ServerConfig (which holds values only): `jaxcpp serve`
+    stops before it listens or loads, and a Server built in Python refuses too."""
+    from jaxcpp.serving.cli import main
+    from jaxcpp.serving.lifecycle import Server
+
+    missing = str(tmp_path / "missing.pem")
+    config = ServerConfig(tls_cert=missing, tls_key=missing)  # values: accepted
+    monkeypatch.setattr("jaxcpp.serving.lifecycle.serve", lambda *a, **k: pytest.fail("serve started"))
+    assert main(["serve", "--tls-cert", missing, "--tls-key", missing]) == 2
+    assert f"--tls-cert: no such file: {missing!r}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--tls-cert: no such file"):
+        Server(None, config)
+
+
 def test_cli_warns_that_a_key_on_the_command_line_shows_in_ps() -> None:
     from jaxcpp.cli_args import server_config_from_args
     from jaxcpp.serving.cli import build_parser, command_line_key_warning
