@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -52,8 +53,13 @@ def test_compile_threads_yield_to_the_other_threads():
 
 
 def _stage_pids(proc: subprocess.Popen) -> list[int]:
-    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+    """The server's child processes, oldest first, whichever of its threads started them (the stages are
+    spawned by the thread that builds the engine, not the main one)."""
+    pids = []
+    for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return sorted(pids, key=lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]))
 
 
 def _starve(pid: int, seconds: float) -> None:
