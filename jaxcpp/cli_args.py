@@ -5,19 +5,40 @@ One source of truth: a field `max_num_batched_tokens` in `SchedulerConfig` becom
 Every flag's help ends with its default, taken from the dataclass (argparse's own default is None, so
 that a flag left out keeps the dataclass default and `--help` would otherwise say "None").
 A tool that needs only some fields (`jaxcpp chunk-plan`) takes those by name with `only=`.
+
+This is also where the command line meets the environment a deployment sets (the config dataclasses
+never read it): a flag given wins, then the variable, then the dataclass default.
+
+    JAX_COORDINATOR_ADDRESS, else LWS_LEADER_ADDRESS + ":8476"   --coordinator-address
+    JAX_NUM_PROCESSES, else LWS_GROUP_SIZE                       --num-processes
+    JAX_PROCESS_ID, else LWS_WORKER_INDEX                        --process-id
+    JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR                        --dynamic-chunking-smooth-factor
+    POD_IP                                                       kv_ip of --kv-transfer-config
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
+import os
 import sys
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
-from jaxcpp.config import DEPRECATED_ALIASES, ENGINE_SECTIONS, EngineConfig, ServerConfig
+from jaxcpp.config import (
+    DEPRECATED_ALIASES,
+    ENGINE_SECTIONS,
+    SMOOTH_FACTOR_ENV,
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+)
+
+log = logging.getLogger(__name__)
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -86,9 +107,61 @@ def _given(args: argparse.Namespace, config_cls: type) -> dict[str, Any]:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Every engine section from the flags given; a section whose flags were not added keeps its defaults."""
-    return EngineConfig(**{name: cls(**_given(args, cls)) for name, cls in ENGINE_SECTIONS.items()})
+def engine_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> EngineConfig:
+    """Every engine section from the flags given, else the environment (module docstring); a section whose
+    flags were not added keeps its defaults. What the config turns off that was asked for is logged."""
+    given: dict[str, Any] = {}
+    for cls in ENGINE_SECTIONS.values():
+        given |= _given(args, cls)
+    config = EngineConfig.from_kwargs(**with_environment(given, environ))
+    for warning in config.startup_warnings():
+        log.warning(warning)
+    return config
+
+
+def with_environment(given: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Engine flags by field name: those `given`, and those the environment sets that were not given."""
+    values = {**_from_environment(environ), **given}
+    pod_ip = environ.get("POD_IP")
+    if values.get("kv_transfer_config") is not None and pod_ip:
+        values["kv_transfer_config"] = _with_kv_ip(values["kv_transfer_config"], pod_ip)
+    return values
+
+
+def _from_environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    leader = environ.get("LWS_LEADER_ADDRESS")
+    found = {
+        "coordinator_address": environ.get("JAX_COORDINATOR_ADDRESS") or (f"{leader}:8476" if leader else None),
+        "num_processes": _number(environ, int, "JAX_NUM_PROCESSES", "LWS_GROUP_SIZE"),
+        "process_id": _number(environ, int, "JAX_PROCESS_ID", "LWS_WORKER_INDEX"),
+        "dynamic_chunking_smooth_factor": _number(environ, float, SMOOTH_FACTOR_ENV),
+    }
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def _number(environ: Mapping[str, str], kind: type[int] | type[float], *names: str) -> int | float | None:
+    """The first of `names` set, as `kind` (JAX's variables first, then LWS's)."""
+    for name in names:
+        value = environ.get(name)
+        if value:
+            try:
+                return kind(value)
+            except ValueError:
+                expected = "an integer" if kind is int else "a number"
+                raise ConfigError(f"environment variable {name}: expected {expected}, got {value!r}") from None
+    return None
+
+
+def _with_kv_ip(kv_transfer_config: str, pod_ip: str) -> str:
+    """--kv-transfer-config with kv_ip = env POD_IP when its JSON leaves kv_ip out: the same args then serve
+    every pod of a Kubernetes set. JSON the config would refuse is left for it to name the problem."""
+    try:
+        given = json.loads(kv_transfer_config)
+    except json.JSONDecodeError:
+        return kv_transfer_config
+    if not isinstance(given, dict) or given.get("kv_ip"):
+        return kv_transfer_config
+    return json.dumps({**given, "kv_ip": pod_ip})
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

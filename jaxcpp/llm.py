@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +20,18 @@ from jaxcpp.logs import show_startup_progress
 from jaxcpp.output_processor import RequestState, SampleStream
 from jaxcpp.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class LLM:
     def __init__(self, model: str = "tiny", *, record_logits: bool = False, executor: Executor | None = None,
                  **engine_kwargs: Any) -> None:
         """Keyword arguments are engine flags by their field names (`max_num_batched_tokens=512`);
         `executor` replaces the real one (e.g. `jaxcpp.core.fake_executor.FakeExecutor`)."""
-        self._start(EngineConfig.from_kwargs(model=model, **engine_kwargs), record_logits, executor)
+        config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
+        for warning in config.startup_warnings():  # this edge built the config (`jaxcpp` logs its own)
+            log.warning(warning)
+        self._start(config, record_logits, executor)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, record_logits: bool = False,

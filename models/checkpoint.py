@@ -3,7 +3,7 @@
 Loading builds the expected params tree from the config (`jax.eval_shape(init_params)`), then fills each
 leaf from the HF tensor(s) it corresponds to: Linear weights are transposed (`[out, in]` -> `[in, out]`)
 and per-layer tensors are stacked on a leading `[L]` axis. Tensors are read with a small memory-mapped
-safetensors reader because `safetensors.numpy` cannot represent bfloat16. Orbax folders hold
+safetensors reader (`jaxcpp.models.safetensors_file`: `safetensors.numpy` cannot represent bfloat16). Orbax folders hold
 `config.json` (HF format, so the same parser reads both) beside `params/`. `resolve_model` turns a
 CLI model name into (config, params, tokenizer). Every failure is a `ModelLoadError` naming the file.
 
@@ -23,7 +23,6 @@ come from the layers' `self_attn.k_scale` / `v_scale` (vLLM's names) where the c
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,18 +36,13 @@ from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
 from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_weight_scales
 from jaxcpp.models.llama import DecoderLayer, Params, init_params, runs_of
+from jaxcpp.models.safetensors_file import FP8_NP, SafetensorsFile, open_shards
 from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
 from jaxcpp.tokenizer import Tokenizer
 
 __all__ = ["BUNDLED_MODELS", "FP8_E4M3_MAX", "ORBAX_PARAMS_DIR", "load_hf", "load_orbax", "load_stage_params",
            "quantize_fp8_per_channel", "resolve_model", "save_hf", "save_orbax"]
-INDEX_FILE = "model.safetensors.index.json"
-_ST_DTYPES: dict[str, Any] = {
-    "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-}
-_FP8_NP = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -99,78 +93,6 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-# ------------------------------------------------------------------------------------- safetensors
-
-
-class _SafetensorsFile:
-    """Header + memory map of one .safetensors file (format: u64 header size, JSON header, raw data)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-            self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-        except (OSError, ValueError, struct.error) as e:
-            raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-        if not isinstance(header, dict):
-            raise ModelLoadError(f"{path}: not a safetensors file (its header is not a JSON object)")
-        header.pop("__metadata__", None)
-        for name, info in header.items():
-            self._check_entry(name, info)
-        self.header: dict[str, Any] = header
-
-    def _check_entry(self, name: str, info: Any) -> None:
-        """Each tensor's entry is well formed and its bytes lie inside the file (a truncated file
-        fails here, naming the tensor, not as a reshape error deep in numpy)."""
-        try:
-            dtype, shape, (start, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
-            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, start, end)) and start <= end
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} has a malformed header entry {info!r}")
-        if dtype not in _ST_DTYPES:
-            raise ModelLoadError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
-        if end > self._data.size:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} ends at byte {end} of the data but the file "
-                                 f"holds {self._data.size}: the file is truncated")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dtype]).itemsize
-        if end - start != expected:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} has {end - start} bytes, its shape {shape} "
-                                 f"and dtype {dtype} need {expected}")
-
-    def get(self, name: str) -> np.ndarray:
-        info = self.header[name]  # checked by _check_entry
-        start, end = info["data_offsets"]
-        return self._data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
-def _open_shards(folder: Path) -> dict[str, _SafetensorsFile]:
-    """Tensor name -> the shard holding it (via the index file when there is one)."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelLoadError(f"{index}: bad index file ({e!r})") from None
-        shards = {name: folder / name for name in sorted(set(weight_map.values()))}
-        for path in shards.values():
-            if not path.is_file():
-                raise ModelLoadError(f"{path}: shard listed in {INDEX_FILE} not found")
-        files = {name: _SafetensorsFile(path) for name, path in shards.items()}
-        return {tensor: files[shard] for tensor, shard in weight_map.items()}
-    paths = sorted(folder.glob("*.safetensors"))
-    if not paths:
-        raise ModelLoadError(f"{folder}: no *.safetensors weights (nor {INDEX_FILE})")
-    by_name: dict[str, _SafetensorsFile] = {}
-    for path in paths:
-        f = _SafetensorsFile(path)
-        by_name.update({name: f for name in f.header})
-    return by_name
-
-
 def _expected_params(config: LlamaConfig) -> Params:
     """The params tree `config` implies, as shapes and dtypes only (nothing is allocated)."""
     return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
@@ -199,7 +121,7 @@ def load_hf(folder: str | Path, dtype: str | None = None) -> tuple[LlamaConfig, 
     return config, _cast(jax.tree_util.tree_map(jnp.asarray, params), dtype)
 
 
-def _read_hf_leaf(tensors: dict[str, _SafetensorsFile], folder: Path, config: LlamaConfig, path: tuple[str, ...],
+def _read_hf_leaf(tensors: dict[str, SafetensorsFile], folder: Path, config: LlamaConfig, path: tuple[str, ...],
                   shape: tuple[int, ...], layers: range | None) -> np.ndarray:
     """One leaf of our tree from its HF tensor(s); a decoder leaf stacks `layers` on a leading axis, an
     expert leaf each layer's experts on the next: [L, E, ...]."""
@@ -318,7 +240,7 @@ def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, 
                                  "supported; load the Hugging Face folder")
         read = _orbax_reader(spec.folder / ORBAX_PARAMS_DIR)
     else:
-        tensors = _open_shards(spec.folder)
+        tensors = open_shards(spec.folder)
 
         def read(path: tuple[str, ...], shape: tuple[int, ...], rows: range | None) -> np.ndarray:
             return _read_hf_leaf(tensors, spec.folder, config, path, shape, rows)
@@ -348,7 +270,7 @@ def _weight_leaves(spec: ModelSpec, path: tuple[str, ...], value: np.ndarray, ro
                    quantization: str | None, read_scales: Any, target: Any) -> list[tuple[str, np.ndarray]]:
     """One decoder leaf as stored: as it is, or an fp8 `kernel` with its `kernel_scale` (stored fp8, or
     `--quantization fp8` of a Linear's kernel; an MoE router stays in the model dtype, as in vLLM)."""
-    if value.dtype in _FP8_NP:
+    if value.dtype in FP8_NP:
         if value.dtype != FP8_WEIGHT_DTYPE or path[-1] != "kernel" or read_scales is None:
             raise ModelLoadError(f"{spec.folder}: layers.{'.'.join(path)} is stored in {value.dtype}; only "
                                  "decoder-layer Linear weights in float8_e4m3 (F8_E4M3) are supported")
@@ -369,7 +291,7 @@ def load_kv_scales(spec: ModelSpec, layers: tuple[int, int]) -> tuple[np.ndarray
     them: 1.0), or None when it has none (orbax folders never do)."""
     if spec.format != "hf":
         return None
-    tensors = _open_shards(spec.folder)
+    tensors = open_shards(spec.folder)
     k_scales, v_scales, found = [], [], False
     for layer in range(*layers):
         pair = (1.0, 1.0)

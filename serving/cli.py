@@ -110,9 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from jaxcpp.serving.lifecycle import Server, serve
+    from jaxcpp.serving.security import check_files
 
     configure_cli_logging(args.log_level)
     server_config = server_config_from_args(args)
+    check_files(server_config)  # before anything starts, on every host of a pipeline
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.is_multi_host:
         from jaxcpp.pipe.cluster import shared_control_key
@@ -198,12 +200,13 @@ def _serve_stage(parallel: Any) -> int:
 # -- client --------------------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> int:
     from jaxcpp.serving.client import Client, ClientError
+    from jaxcpp.serving.security import resolve_api_key
 
     if args.prompt is not None and (args.prompt_file is not None or args.prompt_token_ids is not None):
         print("jaxcpp client: give the prompt once: as text, --prompt-file or --prompt-token-ids", file=sys.stderr)
         return 2
     prompt = _read_prompt(args)
-    api_key = ServerConfig(api_key=args.api_key, api_key_file=args.api_key_file).resolve_api_key()
+    api_key = resolve_api_key(ServerConfig(api_key=args.api_key, api_key_file=args.api_key_file))
     with Client(args.target, api_key=api_key, tls=args.tls, root_certificates=args.tls_ca,
                 server_name=args.server_name, timeout=args.timeout) as client:
         try:

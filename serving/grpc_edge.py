@@ -30,9 +30,8 @@ _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def grpc_server(cfg: ServerConfig, servicer: JaxcppServicer, health_servicer: health.aio.HealthServicer,
-                gate: WarmUpGate) -> tuple[grpc.aio.Server, int]:
-    """The gRPC server (not started) and its bound port."""
-    api_key = cfg.resolve_api_key()
+                gate: WarmUpGate, api_key: str | None) -> tuple[grpc.aio.Server, int]:
+    """The gRPC server (not started) and its bound port; `api_key`: the key calls must send (None: none)."""
     interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(api_key)] if api_key else []
     interceptors += [RejectUndecodableInterceptor(), gate]
     options = [("grpc.max_receive_message_length", cfg.max_message_bytes),

@@ -36,6 +36,7 @@ from jaxcpp.serving.engine_loop import Engine, EngineLoop
 from jaxcpp.serving.grpc_edge import WarmUpGate, grpc_server
 from jaxcpp.serving.metrics import ServingMetrics
 from jaxcpp.serving.openai_server import OpenAIServer
+from jaxcpp.serving.security import check_files, resolve_api_key
 from jaxcpp.serving.server import SERVICE_NAME, JaxcppServicer
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,14 @@ class Server:
     drain_announce_s = 1.0  # see stop(); a Watch-ing client gets NOT_SERVING pushed within milliseconds
 
     def __init__(self, engine: Engine | None, config: ServerConfig) -> None:
+        check_files(config)  # a missing certificate or key file fails here, before the model loads
         self.config = config
+        self.api_key = resolve_api_key(config)  # read once: both front ends and a consumer's producer calls
         self.metrics = ServingMetrics()
         self.health = health.aio.HealthServicer()
         self.admission = Admission(config, self.metrics)  # one registry and queue limit for both
         self.servicer = JaxcppServicer(config, self.metrics, self.admission)
-        self.http = OpenAIServer(config, self.metrics, self.admission) if config.enable_http else None
+        self.http = OpenAIServer(config, self.metrics, self.admission, self.api_key) if config.enable_http else None
         self.engine_loop: EngineLoop | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -92,7 +95,7 @@ class Server:
         return self.port
 
     async def _start_grpc(self) -> None:
-        server, self.port = grpc_server(self.config, self.servicer, self.health, self._gate)
+        server, self.port = grpc_server(self.config, self.servicer, self.health, self._gate, self.api_key)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)  # HealthServicer starts SERVING
         await server.start()
         self._server = server
@@ -118,7 +121,7 @@ class Server:
     async def attach_engine(self, engine: Engine) -> None:
         """Start the engine thread on `engine`, open the service and turn health SERVING (a kv_consumer's: while
         one of its producers answers SERVING, `GrpcRemotePrefill.watch_readiness`)."""
-        remote = connect_producers(engine, self.config.resolve_api_key())  # a kv_consumer's: before requests
+        remote = connect_producers(engine, self.api_key)  # a kv_consumer's: before requests
         self.engine_loop = EngineLoop(engine, self.metrics, on_failure=self._on_engine_failure)
         engine.add_failure_listener(self._on_engine_failure)  # a stage that dies while the engine idles
         self.engine_loop.start()

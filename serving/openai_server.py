@@ -70,7 +70,8 @@ class OpenAIServer:
     """The HTTP front end. `start()` listens (503 "warming up" until `attach`), `close()` refuses new
     requests (drain), `stop()` ends the listener."""
 
-    def __init__(self, config: ServerConfig, metrics: ServingMetrics, admission: Admission) -> None:
+    def __init__(self, config: ServerConfig, metrics: ServingMetrics, admission: Admission,
+                 api_key: str | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.port = 0
@@ -81,7 +82,7 @@ class OpenAIServer:
         self._chat_template: ChatTemplate | None = None
         self._names: tuple[str, ...] = ()
         self._closing = False
-        self._api_key = config.resolve_api_key()
+        self._api_key = api_key  # the key requests must send (None: none), read at start-up (security.py)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.app = self._routes()

@@ -5,6 +5,10 @@
                                  (`serving/grpc_edge.py`), HTTP from the header (`serving/http_edge.py`)
     grpc_credentials(config)     the gRPC port's TLS
     uvicorn_tls(config)          the HTTP port's TLS, the same files
+    check_files(config)          every file flag (TLS, --api-key-file) names a file: ConfigError naming the
+                                 flag, at start-up, before the model loads
+    resolve_api_key(config)      the key to require: --api-key, else --api-key-file's first line, else env
+                                 JAXCPP_API_KEY; read once, at start-up (`serving/lifecycle.py`)
 
 With `--tls-client-ca`, both ports require a client certificate that CA signed (mutual TLS).
 """
@@ -12,13 +16,38 @@ With `--tls-client-ca`, both ports require a client certificate that CA signed (
 from __future__ import annotations
 
 import hmac
+import os
 import ssl
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from jaxcpp.config import ServerConfig
+from jaxcpp.config import API_KEY_ENV, ServerConfig, require
+
+FILE_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "api_key_file")
+
+
+def check_files(cfg: ServerConfig) -> None:
+    """ConfigError naming the flag for a file flag whose file is not there."""
+    for name in FILE_FLAGS:
+        path = getattr(cfg, name)
+        require(path is None or os.path.isfile(path), name, f"no such file: {path!r}")
+
+
+def resolve_api_key(cfg: ServerConfig, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The key to require (or, for `jaxcpp client`, to send): --api-key, else the first line of
+    --api-key-file, else env JAXCPP_API_KEY; None: no key."""
+    if cfg.api_key is not None:
+        return cfg.api_key
+    if cfg.api_key_file is not None:
+        require(os.path.isfile(cfg.api_key_file), "api_key_file", f"no such file: {cfg.api_key_file!r}")
+        with open(cfg.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+        require(bool(key), "api_key_file", f"{cfg.api_key_file} is empty")
+        return key
+    return environ.get(API_KEY_ENV) or None
 
 
 def bearer_matches(value: bytes | str, key: str) -> bool:

@@ -15,7 +15,7 @@ Contract (the scheduler calls, in this order each step):
   forward time is known (the model call only; `num_tokens` is the padded size that ran); ignored
   unless calibrating.
 - `finish_request(request_id)`: forget per-request state.
-`prefill_chunk(seq, budget_left, step_tokens)` and `observe_step` make it a `jaxcpp.core.scheduler.ChunkSizer`.
+`prefill_chunk(seq, budget_left, step_tokens)` and `observe_step` make it a `jaxcpp.core.chunk_sizer.ChunkSizer`.
 Start-up: `startup_sweep_sizes()` then `run_startup_sweep(forward)` (or `set_startup_fit(b, c)`).
 Reporting: `stats()` (state, policy, coefficients, fit error), `report()` (the periodic log line; `report_counts()`
 returns and resets its counters). `needs_ack` tells the PP head to wait for the last stage's
@@ -189,7 +189,7 @@ class DynamicChunkController:
         return self._unpadded(chunk, remaining, step_tokens)
 
     def prefill_chunk(self, seq: Any, budget_left: int, step_tokens: int = 0) -> int:
-        """The `jaxcpp.core.scheduler.ChunkSizer` form: seq has request_id, num_computed_tokens, num_remaining
+        """The `jaxcpp.core.chunk_sizer.ChunkSizer` form: seq has request_id, num_computed_tokens, num_remaining
         and (a `jaxcpp.core.sequence.Sequence`) admission_prefix, the cached prefix it was admitted with."""
         done = seq.num_computed_tokens
         return self.chunk_size_for(seq.request_id, done + seq.num_remaining, done, budget_left,

@@ -15,7 +15,7 @@
                                                      the first token (`jaxcpp.core.disaggregation`)
 
 The arrays go stage to device over jax's transfer servers, never through a Python head; the gRPC
-messages carry ids, addresses and the first token. A gathered copy is the handoff: the producer's pages
+messages carry ids, addresses and the first token. The offer is a gathered copy: the producer's pages
 are freed (into its prefix cache) as soon as the offer exists, so a slow consumer never holds prefill
 capacity; an offer no one pulls is dropped after the transfer timeout.
 """

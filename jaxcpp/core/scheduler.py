@@ -15,7 +15,7 @@ step k's tokens the first stage reads its input from (`feedback_row`), so the ho
 token it only passes back. Not when that token must be its last (max_tokens, max-model-len); if it
 turns out to be a stop, the extra token is dropped when it arrives and its pages are already free.
 
-Prefix caching (`jaxcpp.core.page_allocator`, `jaxcpp.core.prefix_cache`): a request is admitted with the longest
+Prefix caching (`jaxcpp.core.prefix_reuse`, over `jaxcpp.core.page_allocator`): a request is admitted with the longest
 prefix of whole pages the cache holds already computed, never its last token (whose logits sample the
 next one), so at most (num_tokens - 1) // page_size pages; chunks and the token budget count only the
 rest. A preempted request is admitted the same way and finds its own pages if they were not evicted.
@@ -36,132 +36,19 @@ forwards the step's timing and the finished requests to the chunk sizer.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Iterable
 
 from jaxcpp.config import SchedulerConfig
+from jaxcpp.core.chunk_sizer import ChunkSizer, FixedChunkSizer
 from jaxcpp.core.outputs import TokenLogprobs
 from jaxcpp.core.page_allocator import PageAllocator
-from jaxcpp.core.prefix_cache import PageHash
+from jaxcpp.core.prefix_reuse import GroupPrefix, PrefixReuse
+from jaxcpp.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from jaxcpp.core.sequence import Sequence, SequenceStatus
 from jaxcpp.core.step_result import Logprobs, StepResult
+from jaxcpp.core.stopping import StopRule
 
 __all__ = ["ChunkSizer", "FixedChunkSizer", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StopRule"]
-
-
-# ---- what the scheduler decided for one step (plain data, read by step_input and the engine) ---------
-@dataclass(frozen=True)
-class ScheduledChunk:
-    seq: Sequence
-    start: int           # first token position of the chunk (the cached prefix length)
-    num_tokens: int
-    samples: bool        # the chunk reaches the sequence's last token, so the step samples one
-    feedback_row: int = -1  # >= 0: a decode whose input token is still on the device, sampled in
-                            # this row of the step it feeds back from (`SchedulerOutput.feedback_from`)
-    history_start: int = -1  # >= 0: the chunk's prompt tokens from this position on join the request's
-                             # device history (penalties); 0 also empties its slot first
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
-    num_decodes: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-    ack: bool = False    # the chunk sizer needs this step's timing: the head waits for the last stage
-    step_id: int = 0     # the scheduler's count of steps
-    feedback_from: int | None = None  # the step whose tokens this one's placeholder decodes take
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-    @property
-    def feeds_back(self) -> bool:
-        return any(c.feedback_row >= 0 for c in self.chunks)
-
-    @property
-    def samples(self) -> bool:
-        """Some chunk reaches its sequence's end, so the step's tokens are needed."""
-        return any(c.samples for c in self.chunks)
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return any(c.samples and c.seq.params.logprobs is not None for c in self.chunks)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Some chunk scores prompt tokens (all but the last prompt token have a next one to score)."""
-        return any(c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids) - 1
-                   for c in self.chunks)
-
-    @property
-    def is_decode_only(self) -> bool:
-        """One token for each of its sequences and no prompt chunk: it may take a decode rung."""
-        return bool(self.chunks) and self.num_decodes == len(self.chunks)
-
-
-class ChunkRequest(Protocol):
-    """What a chunk sizer reads of a request (a `Sequence`, or the simulator's stand-in)."""
-
-    @property
-    def request_id(self) -> Hashable: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def num_remaining(self) -> int: ...
-
-
-class ChunkSizer(Protocol):
-    """Dynamic chunking's one seam with the scheduler, and all the scheduler asks of it: how many prompt
-    tokens a prefilling sequence takes this step, and what it learns from the steps that ran
-    (`jaxcpp.chunking.controller.DynamicChunkController`; its start-up sweep and its stats are the
-    engine's business with the controller, not the scheduler's)."""
-
-    @property
-    def needs_ack(self) -> bool: ...
-
-    def observe_step(self, num_prefill_sources: int) -> None: ...
-
-    def prefill_chunk(self, seq: ChunkRequest, budget_left: int, step_tokens: int) -> int: ...
-
-    def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
-                      request_id: Hashable) -> None: ...
-
-    def finish_request(self, request_id: Hashable) -> None: ...
-
-
-class FixedChunkSizer:
-    """Sarathi's rule: as much of the prompt as the budget left holds. Learns nothing."""
-
-    needs_ack = False
-
-    def observe_step(self, num_prefill_sources: int) -> None:
-        pass
-
-    def prefill_chunk(self, seq: ChunkRequest, budget_left: int, step_tokens: int) -> int:
-        return min(seq.num_remaining, budget_left)
-
-    def record_timing(self, num_tokens: int, prefix: int, seconds: float, batch_is_sole_prefill: bool,
-                      request_id: Hashable) -> None:
-        pass
-
-    def finish_request(self, request_id: Hashable) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class StopRule:
-    """When a sequence is done, besides its own max_tokens and stop ids: the model's EOS, its length."""
-
-    eos_token_ids: tuple[int, ...] = ()
-    max_model_len: int | None = None
 
 
 class Scheduler:
@@ -169,7 +56,6 @@ class Scheduler:
                  chunk_sizer: ChunkSizer | None = None, stop: StopRule | None = None,
                  prefix_caching: bool = False) -> None:
         self.config = config
-        self.prefix_caching = prefix_caching
         self.allocator = allocator
         self.page_size = page_size
         self.chunk_sizer: ChunkSizer = chunk_sizer or FixedChunkSizer()
@@ -180,8 +66,7 @@ class Scheduler:
         self.remote: list[Sequence] = []      # a consumer's, prefilled by a producer (pages reserved or not yet)
         self.num_preemptions = 0
         self.num_steps = 0
-        self.prefix_queried_tokens = 0        # prompt tokens of first admissions, looked up in the cache
-        self.prefix_hit_tokens = 0            # of those, tokens the cache gave
+        self.prefix = PrefixReuse(allocator, page_size, prefix_caching)
         self.free_history_slots = list(range(config.max_num_seqs))[::-1]  # device penalty-history rows
         self.constrained_placeholders = False  # the engine fills a constrained placeholder's mask late
 
@@ -252,7 +137,7 @@ class Scheduler:
                 seq.logits.append(result.logits[i])
             if result.logprobs is not None and seq.params.logprobs is not None:
                 seq.logprobs.append(_token_logprobs(result.logprobs, i, token, seq.params.logprobs))
-            reason = self._finish_reason(seq, token)
+            reason = self.stop.finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason, now)
             sampled.append(seq)
@@ -283,20 +168,6 @@ class Scheduler:
         self.chunk_sizer.record_timing(result.timings[0].num_tokens_padded, chunk.start, seconds, True,
                                        chunk.seq.request_id)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.stop.eos_token_ids):
-            return "stop"
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            return "stop"  # the grammar is complete and allows nothing more (not even more whitespace)
-        return "length" if self._at_length(seq) else None
-
-    def _at_length(self, seq: Sequence, ahead: int = 0) -> bool:
-        """Done by length (its max_tokens, or the model's) once `ahead` more tokens are back."""
-        max_len = self.stop.max_model_len
-        return (len(seq.output_token_ids) + ahead >= seq.params.max_tokens
-                or (max_len is not None and seq.num_tokens + ahead >= max_len))
-
     def _schedule_decodes(self, out: SchedulerOutput, budget_left: int) -> int:
         for seq in list(self.running):
             if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
@@ -325,11 +196,11 @@ class Scheduler:
             return False
         if seq.grammar is not None and not self.constrained_placeholders:
             return False  # its next mask is its grammar's state after that token (jaxcpp.structured.request)
-        return seq.num_computed_tokens == seq.num_tokens and not self._at_length(seq, ahead=1)
+        return seq.num_computed_tokens == seq.num_tokens and not self.stop.at_length(seq, ahead=1)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget_left: int, candidates: Iterable[Sequence],
                            admit: bool = False) -> int:
-        in_progress: dict[tuple[str, PageHash], Sequence] | None = None  # built when a sample of a group waits
+        in_progress: dict[GroupPrefix, Sequence] | None = None  # built when a sample of a group waits
         for seq in candidates:
             if budget_left < 1 or len(out.chunks) >= self.config.max_num_seqs:
                 break
@@ -340,9 +211,9 @@ class Scheduler:
                     break  # preempted with a token in flight: its recompute needs that token
                 if seq.grammar is not None and not seq.grammar.ready:
                     continue  # its grammar compiles in the pool: the others go ahead
-                shared = self._shared_prefix(seq)
+                shared = self.prefix.group_prefix(seq)
                 if shared is not None:
-                    in_progress = self._prefixes_in_progress() if in_progress is None else in_progress
+                    in_progress = self.prefix.groups_in_progress(self.running) if in_progress is None else in_progress
                     if shared in in_progress:
                         continue  # a sibling is computing its prefix: wait and read it from the cache
                 chunk = self._admit(seq, budget_left, out.num_tokens)
@@ -360,32 +231,13 @@ class Scheduler:
             budget_left -= chunk
         return budget_left
 
-    def _shared_prefix(self, seq: Sequence) -> tuple[str, PageHash] | None:
-        """(its group, its prompt's first page) for a request of a group of samples the cache could serve."""
-        if (seq.group is None or not self.prefix_caching or len(seq.prompt_token_ids) <= self.page_size
-                or seq.params.reads_history_on_device):
-            return None
-        return seq.group, seq.page_hashes(1, self.page_size)[0]
-
-    def _prefixes_in_progress(self) -> dict[tuple[str, PageHash], Sequence]:
-        """The running samples of a group whose prompt pages are not all published yet. The group's
-        other samples wait for them rather than compute the same prefix in the same step: the n samples
-        of one prompt share one prefill. (Unrelated requests with a common prefix admitted together
-        still compute it twice.)"""
-        found = {}
-        for seq in self.running:
-            shared = self._shared_prefix(seq)
-            if shared is not None and seq.num_published_pages < (len(seq.prompt_token_ids) - 1) // self.page_size:
-                found[shared] = seq
-        return found
-
     def _admit(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
         """Start a waiting sequence from its cached prefix with the pages of its first chunk; returns the
         chunk, or 0 with nothing changed when no chunk fits the budget or its pages (or, for a request
         with penalties, a row of the device's history) are not there."""
         if seq.params.has_penalties and seq.history_slot < 0 and not self.free_history_slots:
             return 0
-        hits = self._cached_prefix(seq)
+        hits = self.prefix.cached_pages(seq)
         seq.num_computed_tokens = len(hits) * self.page_size  # the chunk sizer plans from here
         chunk = self._chunk_size(seq, budget_left, step_tokens)
         need = -(-(seq.num_computed_tokens + chunk) // self.page_size) - len(hits)
@@ -400,26 +252,17 @@ class Scheduler:
         seq.admission_prefix = seq.num_computed_tokens
         if seq.num_preemptions == 0:  # the hit rate counts requests, not their recomputes
             seq.num_cached_tokens = seq.num_computed_tokens
-            self.prefix_queried_tokens += len(seq.prompt_token_ids)
-            self.prefix_hit_tokens += seq.num_computed_tokens
+            self.prefix.count(seq, seq.num_computed_tokens)
         self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         return chunk
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached pages of the sequence's longest whole-page prefix, leaving its last token to compute.
-        None for a request whose every prompt token must pass the device (penalties, prompt logprobs):
-        as in vLLM, it computes its prompt (and still publishes its pages for others)."""
-        if not self.prefix_caching or seq.params.reads_history_on_device:
-            return []
-        return self.allocator.lookup(seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size))
-
     # ---- a consumer's requests (disaggregation) ------------------------------------------------
     def reserve_remote(self, seq: Sequence) -> int | None:
         """Pages for a remote request's whole prompt, its cached prefix first; the number of cached pages
         (the producer offers the rest), or None with nothing changed when the pages are not there."""
-        hits = self._cached_prefix(seq)
+        hits = self.prefix.cached_pages(seq)
         need = seq.num_prompt_pages(self.page_size) - len(hits)
         if not self.allocator.can_allocate(need, reusing=hits):
             return None
@@ -427,8 +270,7 @@ class Scheduler:
         seq.pages = hits + self.allocator.allocate(need)
         seq.num_published_pages = len(hits)
         seq.num_cached_tokens = seq.admission_prefix = len(hits) * self.page_size
-        self.prefix_queried_tokens += len(seq.prompt_token_ids)
-        self.prefix_hit_tokens += seq.num_cached_tokens
+        self.prefix.count(seq, seq.num_cached_tokens)
         return len(hits)
 
     def admit_remote(self, seq: Sequence, first_token: int, now: float) -> None:
@@ -438,15 +280,15 @@ class Scheduler:
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self._publish(seq, len(seq.prompt_token_ids) // self.page_size)
+        self.prefix.publish(seq, len(seq.prompt_token_ids) // self.page_size)
         seq.num_pending += 1
         seq.receive_token(first_token)
         seq.metrics.record_token(now)
-        reason = self._finish_reason(seq, first_token)
+        reason = self.stop.finish_reason(seq, first_token)
         if reason is not None:
             self.finish(seq, reason, now)
 
-    # ---- the prefix cache ----------------------------------------------------------------------
+    # ---- after scheduling --------------------------------------------------------------------
     def drop_chunks(self, sched: SchedulerOutput, indices: set[int]) -> None:
         """Take chunks out of a step not yet submitted (their requests failed and are finished): the rest
         move up, and a sampling chunk's sequence learns its new row (what a later step feeds back from)."""
@@ -456,27 +298,24 @@ class Scheduler:
             if chunk.samples and chunk.seq.pending_step == sched.step_id:
                 chunk.seq.feedback_row = row
 
+    # ---- the prefix cache (jaxcpp.core.prefix_reuse) -------------------------------------------
     def publish_written_pages(self, sched: SchedulerOutput) -> None:
         """Register the full pages a step fills, once it is submitted (see the module docstring)."""
-        for chunk in sched.chunks:
-            seq = chunk.seq
-            # A page is hashed by its tokens: one holding a token still on the device waits a step.
-            if seq.status is SequenceStatus.RUNNING:  # not aborted since
-                self._publish(seq, min(chunk.start + chunk.num_tokens, seq.num_tokens) // self.page_size)
-
-    def _publish(self, seq: Sequence, full: int) -> None:
-        """Register `seq`'s first `full` pages (those not yet registered) in the prefix cache."""
-        if not self.prefix_caching or full <= seq.num_published_pages:
-            return  # no page filled up (most decodes)
-        hashes = seq.page_hashes(full, self.page_size)
-        for i in range(seq.num_published_pages, full):
-            self.allocator.register(seq.pages[i], hashes[i])
-        seq.num_published_pages = full
+        self.prefix.publish_written(sched)
 
     def forget_cached_pages(self) -> None:
         """Drop the whole prefix cache: a failed step may have left pages it was to write unwritten."""
-        self.allocator.clear_cache()  # surviving sequences' pages stay theirs, no longer shareable
+        self.prefix.forget()
 
+    @property
+    def prefix_queried_tokens(self) -> int:
+        return self.prefix.queried_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.prefix.hit_tokens
+
+    # ---- helpers -------------------------------------------------------------------------------
     def _chunk_size(self, seq: Sequence, budget_left: int, step_tokens: int) -> int:
         if not self.config.enable_chunked_prefill:
             return seq.num_remaining if seq.num_remaining <= budget_left else 0

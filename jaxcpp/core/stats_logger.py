@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from jaxcpp.core.outputs import EngineStats
-from jaxcpp.core.scheduler import SchedulerOutput
+from jaxcpp.core.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("jaxcpp.core.engine")
 

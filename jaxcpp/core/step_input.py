@@ -27,7 +27,7 @@ from jaxcpp.core.page_allocator import RESERVED_PAGE
 from jaxcpp.sampling_params import MAX_BANNED_IDS
 
 if TYPE_CHECKING:  # the scheduler's output is read here, never made: no import at run time
-    from jaxcpp.core.scheduler import SchedulerOutput
+    from jaxcpp.core.scheduler_output import SchedulerOutput
 
 
 # ---- the step's padded arrays ------------------------------------------------------------------------

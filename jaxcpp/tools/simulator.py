@@ -4,7 +4,7 @@ How it moves: a step loop like the engine's. Whenever stage 0 is free and the en
 (`jaxcpp.core.in_flight`, with depth `max_in_flight`) lets one more batch in, the scheduler forms a batch:
 it tells the policy how many requests could prefill (`observe_step`, so the controller's gate decides
 as it would in the engine), then asks it for a chunk per request (`prefill_chunk`), first come first
-served, until the token budget is spent. The policy is a `jaxcpp.core.scheduler.ChunkSizer`, the engine's
+served, until the token budget is spent. The policy is a `jaxcpp.core.chunk_sizer.ChunkSizer`, the engine's
 one chunk-sizing protocol: the controller, or `FixedPolicy` / `PlanPolicy` here. The batch then flows
 through the stages in order (stage j takes w_j·t, a hop between stages costs hop_s + hop_s_per_token·n),
 each stage taking batches in order. A request's TTFT is when its last chunk leaves the last stage.
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxcpp.chunking.latency_model import LatencyModel
+from jaxcpp.core.chunk_sizer import ChunkSizer, FixedChunkSizer
 from jaxcpp.core.in_flight import InFlight
-from jaxcpp.core.scheduler import ChunkSizer, FixedChunkSizer
 
 if TYPE_CHECKING:
     from jaxcpp.core.engine import LLMEngine

@@ -9,17 +9,20 @@ import time
 
 import pytest
 
+from jaxcpp.cli_args import engine_config_from_args
 from jaxcpp.config import ConfigError, EngineConfig
 from jaxcpp.core.kv_transfer import KVLayout, padded_pages, page_bucket, page_buckets
+from jaxcpp.serving.cli import build_parser
 from jaxcpp.serving.disaggregation import GrpcRemotePrefill, expand_targets
 
 CONSUMER = '{"kv_role": "kv_consumer"}'
 
 
 def test_roles_parse_and_dynamic_chunking_is_turned_off_with_a_warning_on_a_consumer(caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxcpp.config"):
-        consumer = EngineConfig.from_kwargs(kv_transfer_config=CONSUMER, prefill_servers="10.0.0.2:50051",
-                                            enable_dynamic_chunking=True)
+    flags = ["serve", "--kv-transfer-config", CONSUMER, "--prefill-servers", "10.0.0.2:50051",
+             "--enable-dynamic-chunking"]
+    with caplog.at_level(logging.WARNING, logger="jaxcpp.cli_args"):  # the command line logs what is off
+        consumer = engine_config_from_args(build_parser().parse_args(flags))
     assert consumer.kv_transfer.settings().consumes and not consumer.dynamic_chunking
     assert "--enable-dynamic-chunking is off on a kv_consumer" in caplog.text
     producer = EngineConfig.from_kwargs(kv_transfer_config='{"kv_role": "kv_producer", "kv_ip": "10.0.0.3"}',
@@ -52,6 +55,15 @@ def test_bad_settings_name_the_flag(kwargs, message):
     with pytest.raises(ConfigError) as err:
         EngineConfig.from_kwargs(**kwargs)
     assert message in str(err.value)
+
+
+def test_the_fake_remote_has_the_contract_s_methods_and_no_other():
+    from jaxcpp.core.kv_transfer import RemotePrefill
+
+    def methods(cls: type) -> set[str]:
+        return {name for name in vars(cls) if not name.startswith("_")}
+
+    assert methods(_FakeRemote) == methods(RemotePrefill)
 
 
 def test_page_buckets_are_powers_of_two_on_both_sides():
@@ -107,7 +119,8 @@ def test_a_name_with_several_addresses_is_that_many_producers(monkeypatch):
 
 
 class _FakeRemote:
-    """A RemotePrefill that ends jobs when the test says so, and records the pulls handed back to it."""
+    """A RemotePrefill (every method of the protocol, no other) that ends jobs when the test says so, and
+    records the pulls handed back to it."""
 
     def __init__(self) -> None:
         self.started: list = []
@@ -126,6 +139,9 @@ class _FakeRemote:
     def done(self, wait_s: float) -> list:
         ended, self.ended = self.ended, []
         return ended
+
+    def unready_reason(self) -> str | None:
+        return None  # its one producer is always ready
 
     def close(self) -> None:
         pass

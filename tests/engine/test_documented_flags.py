@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from jaxcpp.cli_args import engine_config_from_args
-from jaxcpp.config import ConfigError, EngineConfig
+from jaxcpp.config import DEFAULT_SMOOTH_FACTOR, ConfigError, EngineConfig
 from jaxcpp.core.engine import LLMEngine
 from jaxcpp.core.fake_executor import FakeExecutor
 from jaxcpp.core.sizing import EngineSizing
@@ -55,14 +55,15 @@ def test_block_size_is_page_size_with_a_warning_on_the_command_line_and_in_pytho
 
 
 def test_the_smooth_factor_defaults_to_its_environment_variable(monkeypatch) -> None:
+    """On the command line; the dataclass itself reads no environment (config/__init__.py)."""
     monkeypatch.setenv("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "0.3")
-    assert EngineConfig().chunking.dynamic_chunking_smooth_factor == 0.3
+    assert EngineConfig().chunking.dynamic_chunking_smooth_factor == DEFAULT_SMOOTH_FACTOR
     assert engine_config_from_args(build_parser().parse_args(["serve"])).chunking.dynamic_chunking_smooth_factor == 0.3
     flag = build_parser().parse_args(["serve", "--dynamic-chunking-smooth-factor", "0.9"])
     assert engine_config_from_args(flag).chunking.dynamic_chunking_smooth_factor == 0.9  # the flag wins
     monkeypatch.setenv("JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR", "lots")
     with pytest.raises(ConfigError, match="JAXCPP_DYNAMIC_CHUNKING_SMOOTH_FACTOR: expected a number, got 'lots'"):
-        EngineConfig()
+        engine_config_from_args(build_parser().parse_args(["serve"]))
 
 
 def test_seed_draws_the_seeds_of_requests_that_bring_none() -> None:

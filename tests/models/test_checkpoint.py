@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxcpp.errors import ModelLoadError
-from jaxcpp.models import checkpoint, llama
+from jaxcpp.models import checkpoint, llama, safetensors_file
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.tokenizer import ByteTokenizer
 
@@ -44,7 +44,7 @@ def test_orbax_round_trip(tmp_path, params, dtype):
 
 def test_hf_round_trip_and_names(tmp_path, params):
     checkpoint.save_hf(tmp_path, params, CONFIG)
-    header = checkpoint._SafetensorsFile(tmp_path / "model.safetensors").header
+    header = safetensors_file.SafetensorsFile(tmp_path / "model.safetensors").header
     assert header["model.layers.1.self_attn.q_proj.weight"]["shape"] == [32, 32]  # [out, in]
     assert header["model.layers.0.mlp.gate_proj.weight"]["shape"] == [48, 32]
     assert header["lm_head.weight"]["shape"] == [64, 32]
@@ -55,7 +55,7 @@ def test_hf_round_trip_and_names(tmp_path, params):
 
 def test_sharded_folder_with_index(tmp_path, params):
     checkpoint.save_hf(tmp_path / "one", params, CONFIG)
-    tensors = checkpoint._SafetensorsFile(tmp_path / "one" / "model.safetensors")
+    tensors = safetensors_file.SafetensorsFile(tmp_path / "one" / "model.safetensors")
     names = sorted(tensors.header)
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     folder = tmp_path / "sharded"
@@ -63,7 +63,7 @@ def test_sharded_folder_with_index(tmp_path, params):
     for shard, shard_names in shards.items():
         save_file({n: np.asarray(tensors.get(n)) for n in shard_names}, str(folder / shard))
     weight_map = {n: shard for shard, shard_names in shards.items() for n in shard_names}
-    (folder / checkpoint.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / safetensors_file.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (folder / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
     _, loaded = checkpoint.load_hf(folder, dtype="bfloat16")
     assert_same(loaded, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params))

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxcpp.errors import ModelLoadError
-from jaxcpp.models import checkpoint, llama
+from jaxcpp.models import checkpoint, llama, safetensors_file
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.spec import resolve_model_spec
 
@@ -30,8 +30,8 @@ def float_folder(tmp_path_factory):
 def write_fp8_copy(src, dst, *, per_tensor: bool = False, drop: str | None = None, extra=None):
     """The float checkpoint with every decoder Linear in F8_E4M3 + weight_scale ([out, 1] per channel, the
     compressed-tensors / fbgemm layout, or a scalar), as HF fp8 checkpoints store them."""
-    tensors = {name: np.asarray(checkpoint._SafetensorsFile(src / "model.safetensors").get(name))
-               for name in checkpoint._SafetensorsFile(src / "model.safetensors").header}
+    tensors = {name: np.asarray(safetensors_file.SafetensorsFile(src / "model.safetensors").get(name))
+               for name in safetensors_file.SafetensorsFile(src / "model.safetensors").header}
     out = {}
     for name, w in tensors.items():
         if name.endswith(".weight") and any(f".{lin}." in name for lin in LINEARS):
@@ -77,7 +77,7 @@ def test_per_tensor_scale_is_repeated_per_channel(float_folder, tmp_path):
     scale = params["layers"]["mlp"]["up_proj"]["kernel_scale"]
     assert scale.shape == (2, 48)
     assert (scale == scale[:, :1]).all() and (scale[0] != scale[1]).any()  # one per layer
-    w = np.asarray(checkpoint._SafetensorsFile(float_folder / "model.safetensors").get(
+    w = np.asarray(safetensors_file.SafetensorsFile(float_folder / "model.safetensors").get(
         "model.layers.1.mlp.up_proj.weight")).T
     deq = params["layers"]["mlp"]["up_proj"]["kernel"][0].astype(np.float32) * scale[0]
     np.testing.assert_allclose(deq, w, atol=np.abs(w).max() / 16)  # e4m3: 3 mantissa bits

@@ -12,7 +12,7 @@ import pytest
 from paged_metadata import build_metadata
 from safetensors.numpy import save_file
 
-from jaxcpp.models import checkpoint, llama
+from jaxcpp.models import checkpoint, llama, safetensors_file
 from jaxcpp.models.config import ModelConfig
 from jaxcpp.models.moe import MoEBlock
 from jaxcpp.models.spec import resolve_model_spec
@@ -34,7 +34,7 @@ def float_folder(tmp_path_factory):
 def write_fp8_copy(src, dst):
     """Every decoder Linear (each expert's too) in F8_E4M3 with an [out, 1] weight_scale; router, norms,
     embedding and head as they were."""
-    f = checkpoint._SafetensorsFile(src / "model.safetensors")
+    f = safetensors_file.SafetensorsFile(src / "model.safetensors")
     out = {}
     for name in f.header:
         w = np.asarray(f.get(name))

@@ -5,6 +5,9 @@ HF initialises to ones and zeros), saves it with `save_pretrained`, loads the fo
 and compares logits (to 1e-4) and greedy continuations (identical; ours through the paged path).
 """
 
+import importlib
+from types import ModuleType
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,10 +17,22 @@ from paged_metadata import build_metadata
 from jaxcpp.models import checkpoint, llama
 from jaxcpp.models.config import LlamaConfig
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.parity
+def optional(name: str) -> ModuleType | None:
+    """The module, or None where the parity extra (torch, transformers) is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+torch = optional("torch")
+transformers = optional("transformers")
+# Only the tests that need them skip without them (not the whole module: tests/models/test_moe_parity.py's
+# jax-only tests import this module's helpers and run everywhere). Each is marked `parity` too.
+needs_torch = pytest.mark.skipif(torch is None or transformers is None,
+                                 reason="needs torch and transformers (the parity extra)")
+needs_transformers = pytest.mark.skipif(transformers is None, reason="needs transformers (the parity extra)")
 
 PAGE_SIZE, T, PROMPT_LEN, NEW_TOKENS = 4, 32, 12, 10
 DIMS = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -80,6 +95,8 @@ def our_greedy(params, config, prompt):
     return out
 
 
+@pytest.mark.parity
+@needs_torch
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
@@ -100,6 +117,8 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
     assert our_greedy(params, config, prompt) == hf_greedy(model, prompt)
 
 
+@pytest.mark.parity
+@needs_torch
 def test_save_hf_round_trips_to_transformers(tmp_path):
     """Our random Qwen2 params -> save_hf -> transformers.from_pretrained gives the same logits."""
     config = LlamaConfig.from_hf_dict({"architectures": ["Qwen2ForCausalLM"], **DIMS,
@@ -117,6 +136,8 @@ def test_save_hf_round_trips_to_transformers(tmp_path):
     np.testing.assert_allclose(ours, hf_logits(model, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parity
+@needs_transformers
 def test_mistral_config_parsing(tmp_path):
     hf_config = transformers.MistralConfig(**{**DIMS, "max_position_embeddings": 32768},
                                            num_key_value_heads=2, sliding_window=4096)

@@ -10,15 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hf_parity import DIMS, hf_greedy, hf_logits, our_greedy, random_hf_model
+from test_hf_parity import DIMS, hf_greedy, hf_logits, needs_torch, our_greedy, random_hf_model, torch, transformers
 
 from jaxcpp.models import checkpoint, llama
 from jaxcpp.models.moe import dense_experts, grouped_experts, ragged_dot_mlp, route, tiled_grouped_mlp
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-pytestmark = pytest.mark.parity
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
 CASES = {
@@ -32,6 +27,8 @@ CASES = {
 }
 
 
+@pytest.mark.parity
+@needs_torch
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
@@ -51,6 +48,8 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
     assert our_greedy(params, config, prompt) == hf_greedy(model, prompt)
 
 
+@pytest.mark.parity
+@needs_torch
 def test_save_hf_round_trips_experts(tmp_path):
     """Our params -> save_hf (per-expert tensors, Mixtral's w1/w3/w2 names) -> load_hf: the same arrays."""
     model = random_hf_model("mixtral", CASES["mixtral"][1])
@@ -62,6 +61,8 @@ def test_save_hf_round_trips_experts(tmp_path):
     assert params["layers"]["mlp"]["experts"]["down_proj"]["kernel"].shape == (2, 4, 96, 64)  # [L, E, I, D]
 
 
+@pytest.mark.parity
+@needs_torch
 @pytest.mark.parametrize("normalize", [False, True])
 def test_router_top_k_equals_transformers_with_ties(normalize):
     """Tokens whose router scores tie (duplicated router rows: experts 2 and 5, 1 and 6 always tie): the
@@ -130,6 +131,8 @@ def test_expert_slices_sum_to_the_whole():
     np.testing.assert_allclose(parts, whole, atol=1e-5)
 
 
+@pytest.mark.parity
+@needs_torch
 @pytest.mark.parametrize("case", ["qwen3", "mixtral", "qwen3-moe-mixed"])
 def test_param_counts_equal_transformers(case, tmp_path):
     """ModelConfig.param_counts' total is transformers' parameter count; active counts k of E experts."""

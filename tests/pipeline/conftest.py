@@ -45,19 +45,20 @@ def mqa_tied_model(tmp_path_factory) -> str:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The live child processes of `pid`, in pid order, from every process's parent in /proc (a thread's
-    `task/TID/children` lists only what that thread forked, so the head's main thread may list none)."""
-    children = []
+    """The live child processes of `pid`, oldest first, from every process's parent in /proc (a thread's
+    `task/TID/children` lists only what that thread forked, and the server spawns its stages from the
+    thread that builds the engine, not the main one)."""
+    children = []  # (start time, pid)
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
+                    fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 onwards
             except OSError:  # gone meanwhile
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4 (ppid), after "(comm)"
-                children.append(int(entry))
-    return sorted(children)
+            if int(fields[1]) == pid:  # field 4: the parent; field 22: the start time
+                children.append((int(fields[19]), int(entry)))
+    return [child for _, child in sorted(children)]
 
 
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,

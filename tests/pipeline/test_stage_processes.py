@@ -265,18 +265,26 @@ def test_bad_distributed_flags_name_the_flag():
 
 
 def test_lws_environment_fills_the_distributed_flags(monkeypatch):
+    """On the command line (jaxcpp.cli_args); a ParallelConfig built in Python reads no environment."""
+    from jaxcpp.cli_args import engine_config_from_args
     from jaxcpp.config import ParallelConfig
+    from jaxcpp.serving.cli import build_parser
+
+    def parallel_config() -> ParallelConfig:
+        args = build_parser().parse_args(["serve", "--pipeline-parallel-size", "4"])
+        return engine_config_from_args(args).parallel
 
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LWS_LEADER_ADDRESS", "group-0.svc")
     monkeypatch.setenv("LWS_GROUP_SIZE", "4")
     monkeypatch.setenv("LWS_WORKER_INDEX", "3")
-    p = ParallelConfig(pipeline_parallel_size=4)
+    p = parallel_config()
     assert (p.coordinator_address, p.num_processes, p.process_id) == ("group-0.svc:8476", 4, 3)
     assert p.executor_backend == "mp" and p.is_multi_host
     monkeypatch.setenv("JAX_PROCESS_ID", "2")  # JAX's own variables win
-    assert ParallelConfig(pipeline_parallel_size=4).process_id == 2
+    assert parallel_config().process_id == 2
+    assert ParallelConfig(pipeline_parallel_size=4).num_processes is None  # the dataclass is pure
 
 
 def _serve_mp(model: str, tmp_path) -> tuple[subprocess.Popen, str, list[int]]:

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from jaxcpp.config import API_KEY_ENV, ConfigError, ServerConfig
 from jaxcpp.serving import Client
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+from jaxcpp.serving.security import check_files, resolve_api_key
 from tests.serving.fakes import fake_engine
 
 KEY = "k3y-for-tests"
@@ -90,13 +91,28 @@ def test_key_flags_are_checked(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="--api-key-file: no such file"):
-        ServerConfig(api_key_file=str(tmp_path / "missing"))
+        check_files(ServerConfig(api_key_file=str(tmp_path / "missing")))  # at start-up (the CLI, Server)
     with pytest.raises(ConfigError, match="--api-key-file: give --api-key or --api-key-file"):
         ServerConfig(api_key="a", api_key_file=str(empty))
     with pytest.raises(ConfigError, match="--api-key-file: .* is empty"):
-        ServerConfig(api_key_file=str(empty)).resolve_api_key()
+        resolve_api_key(ServerConfig(api_key_file=str(empty)))
     with pytest.raises(ConfigError, match="--tls-client-ca: mutual TLS needs"):
         ServerConfig(tls_client_ca=str(empty))
+
+
+def test_a_missing_file_is_named_before_anything_starts(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The files are checked at start-up, not in ServerConfig (which holds values only): `jaxcpp serve`
+    stops before it listens or loads, and a Server built in Python refuses too."""
+    from jaxcpp.serving.cli import main
+    from jaxcpp.serving.lifecycle import Server
+
+    missing = str(tmp_path / "missing.pem")
+    config = ServerConfig(tls_cert=missing, tls_key=missing)  # values: accepted
+    monkeypatch.setattr("jaxcpp.serving.lifecycle.serve", lambda *a, **k: pytest.fail("serve started"))
+    assert main(["serve", "--tls-cert", missing, "--tls-key", missing]) == 2
+    assert f"--tls-cert: no such file: {missing!r}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--tls-cert: no such file"):
+        Server(None, config)
 
 
 def test_cli_warns_that_a_key_on_the_command_line_shows_in_ps() -> None:
