@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 
 from jaxcpp import LLM, SamplingParams
-from jaxcpp.core import engine as engine_module
+from jaxcpp.core import constrained as constrained_module
 from jaxcpp.structured.constraint import StructuredOutputs
 from jaxcpp.structured.grammar import GrammarCompiler
 
@@ -49,8 +49,8 @@ class Probe:
         self.mask: list[float] = []
         self.draw: list[float] = []
         self.phases: dict[str, float] = defaultdict(float)
-        self._fill = engine_module.step_bitmask
-        engine_module.step_bitmask = self._timed(self._fill, self.mask, skip_none=True)
+        self._fill = constrained_module.step_bitmask
+        constrained_module.step_bitmask = self._timed(self._fill, self.mask, skip_none=True)
         executor = engine.executor
         self._record, self._sample = executor.record_host_phases, getattr(executor, "sample", None)
         executor.record_host_phases = self._phases
@@ -73,7 +73,7 @@ class Probe:
         self._record(phases)
 
     def close(self) -> None:
-        engine_module.step_bitmask = self._fill
+        constrained_module.step_bitmask = self._fill
         del self.engine.executor.record_host_phases
         if self._sample is not None:
             del self.engine.executor.sample
