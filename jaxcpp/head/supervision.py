@@ -66,6 +66,9 @@ class StageLink:
         return ExecutorError(message, stage=self.index, where=self.where())
 
 
+# How long a dead stage's last log lines may take to come through its pipe (0.5 s was not enough at load 17).
+LOG_DRAIN_S = 5.0
+
 # Where free_port draws from: above the well-known services' ports, below the kernel's ephemeral range.
 _FREE_PORTS_FROM = 10000
 _DEFAULT_EPHEMERAL = (32768, 60999)
@@ -109,8 +112,8 @@ def how_it_ended(ln: StageLink, wait_s: float = 1.0) -> str:
         code = process.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         return f"process {process.pid} closed its control connection"
-    if ln.log_reader is not None:
-        ln.log_reader.join(timeout=0.5)  # its last lines, still in the pipe
+    if ln.log_reader is not None:  # its last lines, still in the pipe: the reader ends at the pipe's end,
+        ln.log_reader.join(timeout=LOG_DRAIN_S)  # which a loaded host can take seconds to reach
     if code < 0 and -code in (signal.SIGKILL, signal.SIGTERM):  # killed from outside: its log says nothing
         return f"process {process.pid} was killed by {signal.Signals(-code).name}"
     ended = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"

@@ -4,10 +4,12 @@ The main model is random on purpose: 6 layers, so 4 stages split unevenly by def
 TP=2 shards the KV pages; an untied LM head, so TP shards the vocabulary. A second one has one KV head
 (TP keeps the pages replicated) and tied embeddings (the last stage needs the embedding as its head).
 Weights are scaled up so greedy choices are not near-ties that float32 summation order could flip.
-Engines are cached per configuration for the session: building one compiles its programs.
+Engines are cached per configuration for the module: building one compiles its programs.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -42,6 +44,22 @@ def mqa_tied_model(tmp_path_factory) -> str:
     return write_random_model(tmp_path_factory.mktemp("pp_model_mqa"), num_layers=4, num_kv_heads=1, tied=True)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of `pid`, in pid order, from every process's parent in /proc (a thread's
+    `task/TID/children` lists only what that thread forked, so the head's main thread may list none)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4 (ppid), after "(comm)"
+                children.append(int(entry))
+    return sorted(children)
+
+
 ENGINE_DEFAULTS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
                        page_size=16, log_stats_interval_s=0)
 
@@ -57,9 +75,10 @@ def make_pp_llm():
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pp_llm(make_pp_llm):
-    """Like make_pp_llm, but one engine per distinct configuration for the whole session."""
+    """Like make_pp_llm, but one engine per distinct configuration for the whole module (no engine outlives
+    its module: tests/conftest.py drops the compiled programs after each)."""
     engines = {}
 
     def get(**kwargs):

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxcpp.config import ConfigError, ParallelConfig
+from tests.pipeline.conftest import child_pids
 
 
 def test_the_heartbeat_timeout_is_jaxs_default_and_configurable():
@@ -52,8 +53,7 @@ def test_compile_threads_yield_to_the_other_threads():
 
 
 def _stage_pids(proc: subprocess.Popen) -> list[int]:
-    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+    return child_pids(proc.pid)
 
 
 def _starve(pid: int, seconds: float) -> None:

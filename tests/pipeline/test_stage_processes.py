@@ -21,6 +21,7 @@ from jaxcpp import LLM, SamplingParams
 from jaxcpp.core.executor import ExecutorError
 from jaxcpp.head.mp_executor import MultiProcessExecutor
 from jaxcpp.head.supervision import free_port
+from tests.pipeline.conftest import child_pids
 from tests.pipeline.test_pipeline_exactness import assert_same, prompts, run
 
 pytestmark = pytest.mark.slow
@@ -288,9 +289,7 @@ def _serve_mp(model: str, tmp_path) -> tuple[subprocess.Popen, str, list[int]]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     line = proc.stdout.readline()  # type: ignore[union-attr]
     assert line.startswith("jaxcpp: serving"), (line, log.read_text())
-    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    return proc, line.split(" on ")[1].split()[0], children
+    return proc, line.split(" on ")[1].split()[0], child_pids(proc.pid)
 
 
 def test_serve_exits_nonzero_when_a_stage_dies(random_model, tmp_path):

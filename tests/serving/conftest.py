@@ -58,16 +58,22 @@ def fake_client(serve: Callable[..., ServerThread]) -> Iterator[Client]:
         yield client
 
 
-@pytest.fixture(scope="session")
-def tiny_llm() -> Any:
+@pytest.fixture(scope="module")  # no engine outlives its module (tests/conftest.py)
+def tiny_llm() -> Iterator[Any]:
     from jaxcpp import LLM
 
-    return LLM(**REAL_ENGINE_KWARGS)
+    with LLM(**REAL_ENGINE_KWARGS) as llm:
+        yield llm
 
 
-@pytest.fixture(scope="session")
+def offline(real_server, llm, prompts, params):
+    """`LLM.generate` run on the server's engine thread: the engine has exactly one driving thread."""
+    return real_server.server.engine_loop.submit(lambda: llm.generate(prompts, params)).result(timeout=300)
+
+
+@pytest.fixture(scope="module")
 def real_server(tiny_llm: Any) -> Iterator[ServerThread]:
-    """One server around the session's tiny engine (tests must leave it idle: every page free)."""
+    """One server around the module's tiny engine (tests must leave it idle: every page free)."""
     config = ServerConfig(port=0, http_port=0, max_message_bytes=MAX_MESSAGE_BYTES)
     server = ServerThread(tiny_llm.engine, config).start()
     yield server

@@ -17,7 +17,7 @@ import pytest
 from jaxcpp import LLM, SamplingParams
 from jaxcpp.config import ServerConfig
 from jaxcpp.serving.lifecycle import ServerThread
-from tests.serving.conftest import wait_until
+from tests.serving.conftest import offline, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,14 @@ def test_logprobs_and_top_5_are_the_log_softmax_of_the_engines_own_logits(tiny_l
     prompt = "import numpy as np\n"
     tiny_llm.engine.record_logits = True
     try:
-        offline = tiny_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+        greedy = offline(real_server, tiny_llm, [prompt], SamplingParams(max_tokens=8, temperature=0))[0]
     finally:
         tiny_llm.engine.record_logits = False
     out = client_for(real_server).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
                                                      logprobs=5)
     lp = out.choices[0].logprobs
-    assert [token_id(t) for t in lp.tokens] == offline.token_ids
-    for logits, token, logprob, top in zip(offline.logits, offline.token_ids, lp.token_logprobs, lp.top_logprobs,
+    assert [token_id(t) for t in lp.tokens] == greedy.token_ids
+    for logits, token, logprob, top in zip(greedy.logits, greedy.token_ids, lp.token_logprobs, lp.top_logprobs,
                                            strict=True):
         exact = log_softmax(np.asarray(logits))
         assert abs(logprob - exact[token]) < 1e-4
@@ -62,7 +62,7 @@ def test_logprobs_and_top_5_are_the_log_softmax_of_the_engines_own_logits(tiny_l
 
 def test_64_concurrent_streams_are_exactly_the_offline_greedy_output(tiny_llm: Any, real_server, real_client) -> None:
     params = SamplingParams(max_tokens=16, temperature=0)
-    expected = [(o.text, o.finish_reason) for o in tiny_llm.generate(PROMPTS, params)]
+    expected = [(o.text, o.finish_reason) for o in offline(real_server, tiny_llm, PROMPTS, params)]
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{real_server.http_port}/v1", api_key="x",
                                 max_retries=0, timeout=600)
 

@@ -10,16 +10,11 @@ import pytest
 
 from jaxcpp.sampling_params import SamplingParams
 from jaxcpp.serving import AsyncClient, Client
-from tests.serving.conftest import MAX_MESSAGE_BYTES, REAL_ENGINE_KWARGS, started_stream
+from tests.serving.conftest import MAX_MESSAGE_BYTES, REAL_ENGINE_KWARGS, offline, started_stream
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["def quicksort(", "Once upon a time", "import numpy as np\n", "class Foo:\n    def __init__(self"]
-
-
-def offline(real_server, llm, prompts, params):
-    """`LLM.generate` run on the server's engine thread: the engine has exactly one driving thread."""
-    return real_server.server.engine_loop.submit(lambda: llm.generate(prompts, params)).result(timeout=300)
 
 
 def wait_idle(client: Client, timeout: float = 30.0):
