@@ -16,8 +16,10 @@ at real vocabularies: without a mask and with the all-ones mask every free step 
 
 `--pairs N` runs only the ITL comparison, as N back-to-back pairs per scenario (a free run and a
 constrained run, which first alternating), and prints the median, interquartile range and range of
-the pairs' ratios, and per step: the mask fill, the deferred draw's dispatch (the executor's `sample`)
-and the engine's host phases (the `--trace-file` ones). `--random-hidden W` runs it on a random Llama
+the pairs' ratios, the same for the process's CPU time per engine step (every thread: on a CPU host
+the engine and XLA:CPU share the cores, and other load moves this far less than a clock), and per step:
+the mask fill, the deferred draw's dispatch (the executor's `sample`) and the engine's host phases
+(the `--trace-file` ones). `--random-hidden W` runs it on a random Llama
 (byte vocabulary, `--random-layers` layers) whose step costs more than the host's work per step.
 """
 
@@ -32,7 +34,7 @@ import time
 from collections import defaultdict
 
 from jaxcpp import LLM, SamplingParams
-from jaxcpp.core import engine as engine_module
+from jaxcpp.core import constrained as constrained_module
 from jaxcpp.structured.constraint import StructuredOutputs
 from jaxcpp.structured.grammar import GrammarCompiler
 
@@ -49,8 +51,8 @@ class Probe:
         self.mask: list[float] = []
         self.draw: list[float] = []
         self.phases: dict[str, float] = defaultdict(float)
-        self._fill = engine_module.step_bitmask
-        engine_module.step_bitmask = self._timed(self._fill, self.mask, skip_none=True)
+        self._fill = constrained_module.step_bitmask
+        constrained_module.step_bitmask = self._timed(self._fill, self.mask, skip_none=True)
         executor = engine.executor
         self._record, self._sample = executor.record_host_phases, getattr(executor, "sample", None)
         executor.record_host_phases = self._phases
@@ -73,7 +75,7 @@ class Probe:
         self._record(phases)
 
     def close(self) -> None:
-        engine_module.step_bitmask = self._fill
+        constrained_module.step_bitmask = self._fill
         del self.engine.executor.record_host_phases
         if self._sample is not None:
             del self.engine.executor.sample
@@ -87,19 +89,20 @@ def run(llm: LLM, constrained: int, free: int, tokens: int) -> dict[str, float]:
         so = LONG_STRING if i < constrained else None
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=so is None, structured_outputs=so)
         engine.add_request(f"{'c' if so else 'f'}{i}-{time.monotonic_ns()}", f"Write {i}:", params)
-    steps = []
+    steps, cpu = [], time.process_time()
     while engine.has_unfinished_requests():
         start = time.perf_counter()
         for out in engine.step():
             arrivals[out.request_id].extend([time.perf_counter()] * len(out.new_token_ids))
         steps.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu  # every thread of the process: the engine's, the device's (XLA:CPU), the rest
     probe.close()
     itl = {kind: [b - a for rid, t in arrivals.items() if rid[0] == kind for a, b in zip(t, t[1:], strict=False)]
            for kind in "cf"}
     per_step = {f"{name}_per_step_ms": total * 1e3 / len(steps) for name, total in probe.phases.items()}
     return {"itl_constrained_ms": _median_ms(itl["c"]), "itl_free_ms": _median_ms(itl["f"]),
             "step_ms": _median_ms(steps), "mask_ms": _median_ms(probe.mask), "draw_ms": _median_ms(probe.draw),
-            "steps": len(steps), **per_step}
+            "steps": len(steps), "cpu_ms": cpu * 1e3 / len(steps), **per_step}
 
 
 def pairs(llm: LLM, n: int, tokens: int) -> None:
@@ -110,6 +113,7 @@ def pairs(llm: LLM, n: int, tokens: int) -> None:
                  "batch 32, 1 constrained + 31 free": ((0, 32), (1, 31), "itl_constrained_ms"),
                  "batch 32, 32 constrained": ((0, 32), (32, 0), "itl_constrained_ms")}
     ratios: dict[str, list[float]] = defaultdict(list)
+    cpu_ratios: dict[str, list[float]] = defaultdict(list)
     runs: dict[str, dict[str, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
     loads = []
     for i in range(n):
@@ -118,28 +122,36 @@ def pairs(llm: LLM, n: int, tokens: int) -> None:
             order = [("free", free), ("constrained", constrained)]
             got = dict((kind, run(llm, *cf, tokens)) for kind, cf in (order if i % 2 == 0 else order[::-1]))
             ratios[name].append(got["constrained"][key] / got["free"]["itl_free_ms"])
+            cpu_ratios[name].append(got["constrained"]["cpu_ms"] / got["free"]["cpu_ms"])
             for kind, r in got.items():
                 runs[name][kind].append(r)
     print(f"pairs: {n}, {tokens} tokens a stream, load {min(loads):.1f}-{max(loads):.1f} (1 min), "
           f"{os.cpu_count()} cores")
-    print(f"{'scenario':36} {'ITL free':>9} {'ITL constr.':>11} {'pair ratio':>10} {'IQR':>13} {'range':>13}")
+    print(f"{'scenario':36} {'ITL free':>9} {'ITL constr.':>11} {'pair ratio':>10} {'IQR':>13} {'range':>13} "
+          f"{'CPU/step ratio':>15} {'IQR':>13}")
     for name, rs in ratios.items():
-        q1, med, q3 = statistics.quantiles(rs, n=4) if len(rs) > 1 else (rs[0],) * 3
+        q1, _, q3 = _quartiles(rs)
+        c1, _, c3 = _quartiles(cpu_ratios[name])
         free = statistics.median(r["itl_free_ms"] for r in runs[name]["free"])
         constrained = statistics.median(r[scenarios[name][2]] for r in runs[name]["constrained"])
         print(f"{name:36} {free:6.2f} ms {constrained:8.2f} ms {statistics.median(rs):9.2f}x "
-              f"{q1:5.2f}-{q3:.2f}x {min(rs):5.2f}-{max(rs):.2f}x")
+              f"{q1:5.2f}-{q3:.2f}x {min(rs):5.2f}-{max(rs):.2f}x {statistics.median(cpu_ratios[name]):14.2f}x "
+              f"{c1:5.2f}-{c3:.2f}x")
     print("per step (medians over runs): step, mask fill per fill, deferred draw dispatch, host phases (ms/step)")
     for name in scenarios:
         for kind in ("free", "constrained"):
             rs = runs[name][kind]
             keys = sorted({k for r in rs for k in r if k.endswith("_per_step_ms")})
             med = {k: statistics.median(r.get(k, 0.0) for r in rs) for k in
-                   ["step_ms", "mask_ms", "draw_ms", "steps", *keys]}
+                   ["step_ms", "mask_ms", "draw_ms", "steps", "cpu_ms", *keys]}
             phases = " ".join(f"{k.removesuffix('_per_step_ms')} {v:.3f}" for k, v in med.items()
                               if k.endswith("_per_step_ms"))
             print(f"  {name:34} {kind:11} step {med['step_ms']:.2f} mask {med['mask_ms']:.3f} "
-                  f"draw {med['draw_ms']:.3f} steps {med['steps']:.0f} | {phases}")
+                  f"draw {med['draw_ms']:.3f} steps {med['steps']:.0f} cpu {med['cpu_ms']:.2f} | {phases}")
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    return tuple(statistics.quantiles(xs, n=4)) if len(xs) > 1 else (xs[0],) * 3  # type: ignore[return-value]
 
 
 def _median_ms(xs: list[float]) -> float:

@@ -13,11 +13,7 @@ the device does not wait through the host's schedule / build / postprocess betwe
     LLMEngine(config)                      # plans sizes from the model folder, builds the real executor
     LLMEngine(config, executor=FakeExecutor(...))   # any executor: tests and tools, no jax needed
 
-Structured outputs (`jaxcpp.structured`): a constrained request waits in the scheduler until its own
-grammar is built in the pool; each step carries the grammar masks of its constrained rows (filled on
-the host after the step is built), or, for a decode whose previous token is still on the device, is
-submitted without its draw, and the mask is filled and the draw dispatched once the step before it is
-collected (`_sample_late`; the executor must `defers_masks`, else such a decode is not scheduled ahead).
+Structured outputs' engine side (grammars, masks, late draws) is one seam: `jaxcpp.core.constrained`.
 
 A failed stage surfaces as `ExecutorError`: the requests of the steps in flight end with finish reason
 "error" (their pages freed); a fatal one then propagates, since the executor cannot run more steps.
@@ -30,12 +26,10 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 from jaxcpp.chunking.controller import DynamicChunkController
 from jaxcpp.config import EngineConfig, SchedulerConfig
+from jaxcpp.core.constrained import ConstrainedDecoding
 from jaxcpp.core.disaggregation import KVConsumer, KVProducer, check_kv_transfer
 from jaxcpp.core.executor import Executor, ExecutorError, FailureListener, StepRequest, StepResult
 from jaxcpp.core.gc_heap import freeze_startup_heap, thaw
@@ -52,10 +46,6 @@ from jaxcpp.core.step_input import StepInput, build_step_input, failing_chunks
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.models.spec import ModelSpec, resolve_model_spec
 from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
-from jaxcpp.structured.request import RequestGrammar, step_bitmask
-
-if TYPE_CHECKING:  # built on first use: the library loads only when a request needs it
-    from jaxcpp.structured.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +91,8 @@ class LLMEngine:
         self.remote: RemotePrefill | None = None  # a consumer's producers (`attach_remote_prefill`)
         self._consumer: KVConsumer | None = None   # disaggregation's engine side (`jaxcpp.core.disaggregation`)
         self._producer = KVProducer(executor, self.sizing.page_size) if self.kv and self.kv.produces else None
-        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
-        self._compiling: list[Sequence] = []  # constrained requests whose grammar is still compiling
-        # async scheduling + an executor that can draw a step's tokens after its forward: a constrained
-        # decode takes a placeholder, and its mask is filled once the token before it is collected
-        self._defer_masks = self.async_scheduling and getattr(self.executor, "defers_masks", False)
-        self.scheduler.constrained_placeholders = self._defer_masks
-        self._awaiting_mask: SchedulerOutput | None = None  # the step submitted without its draw
+        self._constrained = ConstrainedDecoding(self.scheduler, executor, self.sizing, self.async_scheduling,
+                                                self._output, on_failed_draw=self._released.add)
         log.info("model %s: %s", self.sizing.spec.name, parameter_summary(self.sizing.spec.config))
         log.info("engine ready: %d buckets %s compiled in %.1fs, %d KV pages of %d tokens (+1 reserved "
                  "padding page) in %s",
@@ -129,8 +114,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the executor (its threads, trace file, devices) and the frozen heap. Idempotent."""
-        if self._grammars is not None:
-            self._grammars.close()
+        self._constrained.close()
         if self._consumer is not None:
             self._consumer.close()
         self.executor.close()
@@ -156,38 +140,12 @@ class LLMEngine:
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
                        banned_ids=self._banned_ids(params), group=group, kv_transfer=kv_transfer)
         if params.structured_outputs is not None:
-            seq.grammar = self._compile_grammar(params)
-            self._compiling.append(seq)
+            self._constrained.add(seq)  # its grammar compiles in the pool: it waits for it in the scheduler
         if self._consumer is not None and not params.reads_history_on_device and seq.grammar is None:
             self.scheduler.add_remote(seq)
         else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
             # or whose first token its own grammar masks (a constrained one)
             self.scheduler.add(seq)
-
-    def _compile_grammar(self, params: SamplingParams) -> RequestGrammar:
-        """Start the request's grammar compiling in the pool (or find it cached): it waits in the
-        scheduler until its own grammar is built, never holding up the loop."""
-        assert params.structured_outputs is not None
-        if self.tokenizer is None:
-            raise InvalidRequestError("structured_outputs", "this model folder has no tokenizer: a grammar "
-                                      "is over the tokenizer's tokens")
-        if self._grammars is None:
-            from jaxcpp.structured.grammar import GrammarCompiler
-
-            self._grammars = GrammarCompiler(self.tokenizer, self.sizing.spec.config.vocab_size)
-        return RequestGrammar(self._grammars.compile(params.structured_outputs), self._grammars.matcher)
-
-    def _fail_bad_grammars(self) -> list[RequestOutput]:
-        """Requests whose grammar failed to build end with an error naming the field (no page was taken:
-        they never left the waiting queue)."""
-        failed = []
-        for seq in [s for s in self._compiling if s.grammar.done]:
-            self._compiling.remove(seq)
-            error = seq.grammar.error()
-            if error is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "error", time.monotonic())
-                failed.append(dataclasses.replace(self._output(seq, []), error=str(error)))
-        return failed
 
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids):
@@ -225,15 +183,14 @@ class LLMEngine:
         """Submit the next step while the pipe has room; collect the oldest when it is full or idle."""
         start = time.perf_counter()
         outputs, self._aborted = self._aborted, []
-        if self._compiling:
-            outputs += self._fail_bad_grammars()
+        outputs += self._constrained.failed_grammars()  # a grammar that failed to build: its request's error
         if self._consumer is not None:  # a kv_consumer's remote prefills: pulled and admitted here
             busy = self._in_flight or self.scheduler.running or self.scheduler.waiting
             outputs += self._consumer.step(idle=not busy)
         submitted = collect = False
         try:
-            submitted = self._pipe_has_room() and self._submit_next()
-            collect = bool(self._in_flight) and (not self._pipe_has_room() or not submitted)
+            submitted = self._in_flight.has_room() and self._submit_next()
+            collect = bool(self._in_flight) and (not self._in_flight.has_room() or not submitted)
             if collect:
                 outputs += self._collect_oldest()
         except ExecutorError as error:
@@ -247,16 +204,10 @@ class LLMEngine:
         if self._stats.due():
             self._stats.log(self.stats(), self.chunking.report() if self.chunking is not None else None)
 
-    def _pipe_has_room(self) -> bool:
-        return self._in_flight.has_room()
-
     def _submit_next(self) -> bool:
         oldest = self._in_flight.oldest if self.async_scheduling and self._in_flight else None
-        if self._awaiting_mask is not None:
-            return False  # its draw comes first: steps are sampled in order
-        if oldest is not None and self._grammars is not None and not self._defer_masks and \
-                self.scheduler.waits_for_constrained_token(oldest.step_id):
-            return False  # collect it first (jaxcpp.structured.request: when a mask can be filled)
+        if self._constrained.holds_back(oldest.step_id if oldest else None):
+            return False  # a draw or a constrained token to collect first (jaxcpp.core.constrained)
         phase = self._phases.timer(self.scheduler.num_steps)
         with phase("schedule"):
             sched = self.scheduler.schedule(feedback_from=oldest.step_id if oldest else None)
@@ -266,12 +217,7 @@ class LLMEngine:
             step = self._build(sched)
         if step is None:
             return True  # every request of the step failed (their outputs go out with the next step's)
-        bitmask, deferred = None, False
-        if self._grammars is not None:  # once a constrained request came: the step's grammar masks
-            deferred = any(c.feedback_row >= 0 and c.seq.grammar is not None for c in sched.chunks)
-            if not deferred:
-                with phase("mask"):
-                    bitmask = step_bitmask(sched, self.sizing.shape.max_num_seqs, self._grammars.words)
+        bitmask, deferred = self._constrained.masks(sched, phase)
         try:
             with phase("dispatch"):
                 self.executor.submit(StepRequest(
@@ -284,7 +230,7 @@ class LLMEngine:
             self._released.add(sched.step_id)
             raise
         self._in_flight.append(sched, sched.num_decodes > 0)
-        self._awaiting_mask = sched if deferred else None
+        self._constrained.submitted(sched, deferred)
         self.scheduler.publish_written_pages(sched)  # submitted: later steps may read what it writes
         self._stats.count_scheduled(sched)
         return True
@@ -328,22 +274,8 @@ class LLMEngine:
             sampled = self.scheduler.postprocess(sched, result, time.monotonic())
             self._stats.count_sampled(len(sampled))
             outputs = [self._output(seq, seq.output_token_ids[-1:]) for seq in sampled]
-        if self._awaiting_mask is not None and self._awaiting_mask.feedback_from == sched.step_id:
-            self._sample_late(phase)
+        self._constrained.draw_late(sched.step_id, phase)  # the next step's draw, if it waited for this one
         return outputs
-
-    def _sample_late(self, phase: Callable[[str], AbstractContextManager[None]]) -> None:
-        """The step waiting for its draw: its constrained rows' grammars have their previous token now
-        (just collected), so its mask is filled and its tokens drawn, while the device runs its forward."""
-        assert self._awaiting_mask is not None and self._grammars is not None
-        pending, self._awaiting_mask = self._awaiting_mask, None
-        with phase("mask"):
-            bitmask = step_bitmask(pending, self.sizing.shape.max_num_seqs, self._grammars.words)
-        try:
-            self.executor.sample(pending.step_id, bitmask)  # type: ignore[attr-defined]
-        except ExecutorError:
-            self._released.add(pending.step_id)
-            raise
 
     def _check_tokens(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Garbage from a device must not become a request's output: ids outside the vocabulary fail the
@@ -362,7 +294,7 @@ class LLMEngine:
         log.error("executor failed: %s; failing the requests of %d step(s) in flight", error, len(self._in_flight))
         now, outputs = time.monotonic(), []
         self.scheduler.forget_cached_pages()  # pages the failed steps were to write may be unwritten
-        self._awaiting_mask = None
+        self._constrained.awaiting = None
         while self._in_flight:
             sched = self._in_flight.popleft()
             if sched.step_id not in self._released and not error.fatal:

@@ -127,8 +127,7 @@ class PipelineExecutor:
         """Draw the tokens of a step submitted with `defer_sampling`, with its (now known) mask."""
         sub, stage = self._submitted[step_id], self.stages[-1]
         try:
-            mask = jax.device_put(bitmask, stage.replicated) if bitmask is not None else None
-            sub.output = stage.sample(sub.output, mask)
+            sub.output = stage.sample(sub.output, bitmask)  # the mask goes with the call (`Stage.sample`)
         except Exception as e:  # a dispatch error fails the step
             raise ExecutorError(f"sampling micro-batch {step_id} failed: {e}", stage=stage.index) from e
         self._fetch(sub)
@@ -234,14 +233,9 @@ class PipelineExecutor:
     def _put_step(self, step: StepInput, bitmask: np.ndarray | None = None,
                   defer_sampling: bool = False) -> list[StageInput]:
         """The step packed once on the host and put on every stage's devices in one `device_put`; a
-        bitmask goes to the last stage alone (its sampler)."""
+        bitmask goes to the last stage alone, as a host array its sampler's call takes (`Stage.sample`)."""
         buf, layout = pack(step)
-        arrays = [buf] * len(self.stages) + ([bitmask] if bitmask is not None else [])
-        put = jax.device_put(arrays, [stage.replicated for stage in self.stages]
-                             + ([self.stages[-1].replicated] if bitmask is not None else []))
-        inputs = [StageInput(b, layout, step.needs_full_sampler) for b in put[:len(self.stages)]]
-        if bitmask is not None:
-            inputs[-1] = inputs[-1]._replace(bitmask=put[-1])
-        if defer_sampling:
-            inputs[-1] = inputs[-1]._replace(defer_sampling=True)
+        put = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
+        inputs = [StageInput(b, layout, step.needs_full_sampler) for b in put]
+        inputs[-1] = inputs[-1]._replace(bitmask=bitmask, defer_sampling=defer_sampling)
         return inputs

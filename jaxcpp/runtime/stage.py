@@ -72,8 +72,8 @@ class StageInput(NamedTuple):
     packed: jax.Array  # [n] int32 on the stage's devices: the step's fields, packed
     layout: Layout     # how to cut it apart (static: one per bucket)
     needs_full_sampler: bool = False  # a row has a penalty history or a ban: the last stage's full sampler
-    bitmask: jax.Array | None = None  # [max_num_seqs, words] int32 on the last stage: constrained rows' allowed
-                                      # tokens (jaxcpp.structured); None: no constrained row, the maskless sampler
+    bitmask: np.ndarray | None = None  # [max_num_seqs, words] int32 on the host, for the last stage: constrained
+                                       # rows' allowed tokens (jaxcpp.structured); None: the maskless sampler
     defer_sampling: bool = False      # the last stage stops at the logits: `Stage.sample` draws later, once
                                       # the host has the mask (a constrained decode's token was still pending)
 
@@ -191,8 +191,10 @@ class Stage:
         self._experts_fn = shard_experts(grouped_experts, mesh, config)  # expert-parallel over "tp"
         self._program = self._jit(shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
-        self._sampler = jax.jit(sample_step, donate_argnums=(1,), out_shardings=rep)
-        self._bitmask_aval = self._aval((max_num_seqs, bitmask_words(config.vocab_size)), np.int32)
+        # in_shardings: a grammar mask comes from the host with the call (a device_put of its own cost the
+        # late draw ~0.07 ms of host time a step: docs/benchmarks.md, structured outputs)
+        self._sampler = jax.jit(sample_step, donate_argnums=(1,), in_shardings=rep, out_shardings=rep)
+        self._no_mask = np.zeros((max_num_seqs, bitmask_words(config.vocab_size)), np.int32)  # to compile with
         self.history: History | None = jax.jit(functools.partial(empty_history, max_num_seqs, config.vocab_size),
                                                 out_shardings=rep)() if self.is_last else None
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
@@ -254,7 +256,7 @@ class Stage:
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
                 for history in (None, self.history):  # the plain and the full sampler program,
-                    for bitmask in (None, self._bitmask_aval):  # each with and without a grammar mask
+                    for bitmask in (None, self._no_mask):  # each with and without a grammar mask (a host array)
                         self._sampler.lower(sampling, history, bitmask).compile()
                 self._sampler_compiled = True
 
@@ -329,7 +331,7 @@ class Stage:
         step = StepOutput(None, sampling.logits, hidden, batch, sampling)
         return step if batch.defer_sampling else self.sample(step, batch.bitmask)
 
-    def sample(self, step: StepOutput, bitmask: jax.Array | None) -> StepOutput:
+    def sample(self, step: StepOutput, bitmask: np.ndarray | None) -> StepOutput:
         """Draw the step's tokens (dispatched, not awaited). Penalties or min_tokens in the step: the
         program that has them; a constrained row: the one with a mask (data: no program per grammar or
         per mix of rows). Steps are sampled in submission order (the history is donated state)."""

@@ -179,7 +179,7 @@ class StageWorker:
         batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
                            header.get("needs_full_sampler", False))
         if header.get("bitmask") and self.stage.is_last:  # the sampler's allowed tokens (jaxcpp.structured)
-            batch = batch._replace(bitmask=jax.device_put(arrays[1], self.stage.replicated))
+            batch = batch._replace(bitmask=arrays[1])  # a host array: the sampler's call takes it
         pull_start = time.perf_counter()
         self._drain_tokens(header.get("drain_tokens", ()))
         fed_back = self._feedback(step_id, header["feedback_from"])

@@ -20,7 +20,7 @@ the grammar's state after that token. Two rules, by executor:
     sampled in order (the penalty history is donated state). vLLM splits its step the same way.
   - the others (stage processes): a constrained request never decodes from a placeholder
     (`Scheduler._can_decode_pending`), and the engine does not schedule ahead of a step that samples for
-    one (`LLMEngine._submit_next`); the stream keeps one token per step, its batch loses the overlap.
+    one (`ConstrainedDecoding.holds_back`); the stream keeps one token per step, its batch loses the overlap.
 """
 
 from __future__ import annotations

@@ -91,6 +91,36 @@ def test_async_scheduling_keeps_a_constrained_stream_a_step_ahead(small_llm, mon
     assert llm.engine.stats().num_compilations_since_warmup == 0
 
 
+def test_a_late_draw_sends_its_mask_with_the_sampler_call(small_llm, monkeypatch) -> None:
+    """A late draw is the sampler program's dispatch alone: the mask goes with its call, not through a
+    device_put of its own (which cost the draw more host time than the dispatch: docs/benchmarks.md)."""
+    import jax
+
+    llm = small_llm(async_scheduling=True)
+    executor, put = llm.engine.executor, jax.device_put
+    sample, drawing, draws, puts_in_draws = executor.sample, [], [], []
+
+    def draw(step_id, bitmask):
+        drawing.append(step_id)
+        draws.append(step_id)
+        try:
+            return sample(step_id, bitmask)
+        finally:
+            drawing.pop()
+
+    def counted_put(*args, **kwargs):
+        if drawing:
+            puts_in_draws.append(drawing[-1])
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "sample", draw)
+    monkeypatch.setattr(jax, "device_put", counted_put)
+    out = llm.generate(["Tell me"], constrained(structured_outputs=StructuredOutputs.from_schema(SCHEMA)))[0]
+    assert json.loads(out.text) and len(draws) >= len(out.token_ids) - 2
+    assert puts_in_draws == []
+    assert llm.engine.stats().num_compilations_since_warmup == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [dict(pipeline_parallel_size=2),  # in process: draws deferred
                                     dict(pipeline_parallel_size=2, distributed_executor_backend="mp")],
