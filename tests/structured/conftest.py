@@ -8,9 +8,10 @@ SMALL = dict(model="tiny", dtype="float32", max_model_len=256, max_num_batched_t
              page_size=16, log_stats_interval_s=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def small_llm():
-    """One engine per configuration for the session (each compiles its programs)."""
+    """One engine per configuration for the module (each compiles its programs; no engine outlives its
+    module: tests/conftest.py drops the compiled programs after each)."""
     from jaxcpp import LLM
 
     engines: dict[tuple, LLM] = {}
