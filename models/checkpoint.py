@@ -36,7 +36,7 @@ import numpy as np
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
 from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_weight_scales
-from jaxcpp.models.llama import DecoderLayer, Params, init_params, runs_of
+from jaxcpp.models.llama import DecoderLayer, Params, init_attend, init_params, runs_of
 from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
 from jaxcpp.tokenizer import Tokenizer
 
@@ -68,7 +68,7 @@ def _hf_names(config: LlamaConfig, path: tuple[str, ...], layer: int | None, exp
         return "lm_head.weight", True
     assert path[0] == "layers" and layer is not None, path
     *modules, leaf = path[1:]
-    hf_leaf = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
+    hf_leaf = {"kernel": "weight", "scale": "weight"}.get(leaf, leaf)  # bias, e_score_correction_bias
     module = config.family.hf_module(tuple(modules), expert)
     return f"model.layers.{layer}.{module}.{hf_leaf}", leaf == "kernel"
 
@@ -89,7 +89,7 @@ def _layer_runs_of(config: LlamaConfig, layers: tuple[int, int]) -> Iterator[tup
         layer = DecoderLayer(config, moe=moe)
         one = jax.eval_shape(lambda layer=layer: layer.init(
             jax.random.key(0), jnp.zeros((1, config.hidden_size)), jnp.zeros((1,), jnp.int32),
-            lambda q, k, v: (q, None))["params"])
+            init_attend)["params"])
         yield range(start, end), one
 
 
