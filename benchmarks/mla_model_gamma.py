@@ -75,6 +75,7 @@ def time_shapes(config: ModelConfig, iters: int) -> dict[tuple[str, int, int], l
     kv = llama.make_kv_cache(config, 2, pages_per_seq + 1, PAGE)
     rng = np.random.default_rng(1)
     kv = kv._replace(k=jnp.asarray(rng.standard_normal(kv.k.shape), jnp.float32))  # a "cached" prefix
+    kv = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), kv)  # k_scale and v_scale: one buffer each
     programs = {f: jax.jit(functools.partial(llama.run_layers, config=config, attention_fn=attention_for(f, config)),
                            donate_argnums=(2,)) for f in FORMS}
     inputs = {(x, p): (jnp.asarray(rng.standard_normal((x, config.hidden_size)) * 0.1, jnp.float32),
