@@ -265,6 +265,42 @@ def mla_attention_xla(
     return out
 
 
+def rebuild_is_cheaper(md: AttentionMetadata, kv_b_flops: float, absorbed_pair_flops: float,
+                       rebuilt_pair_flops: float) -> jax.Array:  # [] bool
+    """`jaxcpp.chunking.mla_cost.prefer_rebuild` for a whole step, on the device: rebuilding the
+    prefill chunks' contexts (W per context token, the rebuilt pair cost) costs fewer FLOPs in sum than
+    attending them absorbed (W per new token, the absorbed pair cost). Data, not shape: no compile."""
+    seqs = jnp.arange(md.kv_lens.shape[0])
+    prefill = (seqs >= md.num_decodes) & (seqs < md.num_seqs)
+    new = (md.cu_q_lens[1:] - md.cu_q_lens[:-1]).astype(jnp.float32)
+    cached = md.kv_lens.astype(jnp.float32) - new
+    pairs = cached * new + new * (new + 1) / 2
+    rebuilt = kv_b_flops * (cached + new) + rebuilt_pair_flops * pairs
+    absorbed = kv_b_flops * new + absorbed_pair_flops * pairs
+    return jnp.sum(jnp.where(prefill, rebuilt, 0.0)) < jnp.sum(jnp.where(prefill, absorbed, 0.0))
+
+
+def mla_attention_auto(
+    q_nope: jax.Array,  # [T, H, dn]
+    q_rope: jax.Array,  # [T, H, dr]
+    latent_pages: jax.Array,  # [num_pages, page_size, r + dr]
+    w_uk: jax.Array,  # [r, H, dn]
+    w_uv: jax.Array,  # [r, H, dv]
+    md: AttentionMetadata,
+    latent_scale: jax.Array | None = None,
+    *,
+    sm_scale: float,
+    flops: tuple[float, float, float],  # (W, absorbed pair, rebuilt pair): jaxcpp.chunking.mla_cost.MlaShape's
+) -> jax.Array:  # [T, H, dv]
+    """A step's MLA with the form of its prefill chunks chosen per step by FLOPs (`rebuild_is_cheaper`):
+    both forms are compiled into the one program, a `lax.cond` runs one."""
+    def run(rebuild: bool) -> Any:
+        return lambda: mla_attention_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale,
+                                         sm_scale=sm_scale, rebuild_prefill=rebuild)
+
+    return lax.cond(rebuild_is_cheaper(md, *flops), run(True), run(False))
+
+
 # ----------------------------------------------------------------------------------------------- kernel
 
 

@@ -34,8 +34,8 @@ import numpy as np
 
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
-from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_weight_scales
-from jaxcpp.models.llama import DecoderLayer, Params, init_params, runs_of
+from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_fp8_kernel
+from jaxcpp.models.llama import DecoderLayer, Params, init_attend, init_params, runs_of
 from jaxcpp.models.safetensors_file import FP8_NP, SafetensorsFile, open_shards
 from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
 from jaxcpp.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def _hf_names(config: LlamaConfig, path: tuple[str, ...], layer: int | None, exp
         return "lm_head.weight", True
     assert path[0] == "layers" and layer is not None, path
     *modules, leaf = path[1:]
-    hf_leaf = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
+    hf_leaf = {"kernel": "weight", "scale": "weight"}.get(leaf, leaf)  # bias, e_score_correction_bias
     module = config.family.hf_module(tuple(modules), expert)
     return f"model.layers.{layer}.{module}.{hf_leaf}", leaf == "kernel"
 
@@ -83,7 +83,7 @@ def _layer_runs_of(config: LlamaConfig, layers: tuple[int, int]) -> Iterator[tup
         layer = DecoderLayer(config, moe=moe)
         one = jax.eval_shape(lambda layer=layer: layer.init(
             jax.random.key(0), jnp.zeros((1, config.hidden_size)), jnp.zeros((1,), jnp.int32),
-            lambda q, k, v: (q, None))["params"])
+            init_attend)["params"])
         yield range(start, end), one
 
 
@@ -245,10 +245,10 @@ def load_stage_params(spec: ModelSpec, layers: tuple[int, int], is_first: bool, 
         def read(path: tuple[str, ...], shape: tuple[int, ...], rows: range | None) -> np.ndarray:
             return _read_hf_leaf(tensors, spec.folder, config, path, shape, rows)
 
-        def read_scales(path: tuple[str, ...], rows: range, out_features: int) -> np.ndarray:
-            return read_hf_weight_scales(tensors, spec.folder, path, rows, out_features,
-                                          lambda p, layer, expert: _hf_names(config, p, layer, expert)[0],
-                                          _experts_of(config, path))
+        def read_scales(path: tuple[str, ...], rows: range, kernel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return read_hf_fp8_kernel(tensors, spec.folder, path, rows, kernel,
+                                      lambda p, layer, expert: _hf_names(config, p, layer, expert)[0],
+                                      _experts_of(config, path))
 
     target = _NP_DTYPES[config.dtype]
     params: dict[str, Any] = {}
@@ -274,7 +274,8 @@ def _weight_leaves(spec: ModelSpec, path: tuple[str, ...], value: np.ndarray, ro
         if value.dtype != FP8_WEIGHT_DTYPE or path[-1] != "kernel" or read_scales is None:
             raise ModelLoadError(f"{spec.folder}: layers.{'.'.join(path)} is stored in {value.dtype}; only "
                                  "decoder-layer Linear weights in float8_e4m3 (F8_E4M3) are supported")
-        return [("kernel", value), ("kernel_scale", read_scales(("layers", *path), rows, value.shape[-1]))]
+        kernel, scale = read_scales(("layers", *path), rows, value)  # block-wise fp8: requantized per channel
+        return [("kernel", kernel), ("kernel_scale", scale)]
     if quantization == "fp8" and path[-1] == "kernel" and path[-2] != "gate":
         kernel, scale = quantize_fp8_per_channel(value)
         return [("kernel", kernel), ("kernel_scale", scale)]

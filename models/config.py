@@ -59,6 +59,21 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's SwiGLU width
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # an MoE model's layers that keep the dense MLP
+    # DeepSeek's MoE block (families/deepseek.py): the router's scoring and grouping, shared experts
+    router: str = "softmax"  # "softmax" (every other family, DeepSeek-V2) or "sigmoid" (DeepSeek-V3)
+    topk_method: str = "greedy"  # "greedy" or "group_limited" (V2: by group max; V3: by group top-2 sum)
+    n_group: int = 1  # expert groups; "group_limited" keeps the best topk_group of them
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
+    n_shared_experts: int = 0  # > 0: a SwiGLU of n_shared_experts * moe_intermediate_size beside the experts
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; models/mla.py): kv_lora_rank > 0 selects it.
+    # head_dim is then qk_rope_head_dim (what RoPE rotates) and the KV pages hold latent rows.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: a plain q_proj (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE pairs (x0, x1), (x2, x3), ... instead of the rotate-half halves
 
     def __post_init__(self) -> None:
         _check(self.architecture in ARCHITECTURES, "architectures",
@@ -73,7 +88,7 @@ class ModelConfig:
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(self.dtype in DTYPES, "torch_dtype", f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
-        _validate_rope_scaling(self.rope_scaling)
+        _validate_rope_scaling(self.rope_scaling, allow_yarn=self.is_mla)
         fixed = self.family.fixed_bias
         _check(fixed is None or self.attention_bias == fixed, "attention_bias",
                f"{self.architecture} {'always' if fixed else 'never'} has q/k/v biases")
@@ -81,6 +96,23 @@ class ModelConfig:
             _check(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
                    f"must be in [1, {self.num_experts}], got {self.num_experts_per_tok}")
             _check(self.moe_intermediate_size >= 1, "moe_intermediate_size", "must be a positive integer")
+            _check(self.num_experts % self.n_group == 0 and 1 <= self.topk_group <= self.n_group, "n_group",
+                   f"({self.n_group}) must divide n_routed_experts ({self.num_experts}) and topk_group "
+                   f"({self.topk_group}) be in [1, n_group]")
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                value = getattr(self, name)
+                _check(_is_int(value) and value >= 1, name, f"must be a positive integer, got {value!r}")
+            _check(self.head_dim == self.qk_rope_head_dim, "head_dim", "must equal qk_rope_head_dim for MLA")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): a latent KV cache, models/mla.py's attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def __hash__(self) -> int:  # the config is a static jit argument; rope_scaling is a dict
         items = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
@@ -123,18 +155,29 @@ class ModelConfig:
         attention = d * hd * (2 * heads + 2 * kv) + 2 * d + (2 * hd if self.qk_norm else 0)
         if self.attention_bias:
             attention += hd * (heads + 2 * kv) + (d if self.attention_out_bias else 0)
+        if self.is_mla:
+            attention = self._mla_param_count()
         dense = 3 * d * self.intermediate_size
         expert = 3 * d * self.moe_intermediate_size
+        shared = expert * self.n_shared_experts + (self.num_experts if self.router == "sigmoid" else 0)
         total = active = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
         for layer in range(self.num_hidden_layers):
             if self.is_moe_layer(layer):
                 router = d * self.num_experts
-                total += attention + router + self.num_experts * expert
-                active += attention + router + self.num_experts_per_tok * expert
+                total += attention + router + shared + self.num_experts * expert
+                active += attention + router + shared + self.num_experts_per_tok * expert
             else:
                 total += attention + dense
                 active += attention + dense
         return total, active
+
+    def _mla_param_count(self) -> int:
+        """One MLA layer's attention parameters (q LoRA or q_proj, kv LoRA, kv_b, o_proj, norms, biases)."""
+        d, heads, rank, q_rank = self.hidden_size, self.num_attention_heads, self.kv_lora_rank, self.q_lora_rank
+        q = d * q_rank + q_rank + q_rank * heads * self.qk_head_dim if q_rank else d * heads * self.qk_head_dim
+        kv = d * (rank + self.qk_rope_head_dim) + rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        bias = (q_rank + rank + self.qk_rope_head_dim + d) if self.attention_bias else 0
+        return q + kv + heads * self.v_head_dim * d + bias + 2 * d
 
     @property
     def num_kv_groups(self) -> int:
@@ -192,12 +235,17 @@ class ModelConfig:
 LlamaConfig = ModelConfig  # the name it had while Llama was the only family
 
 
-def _validate_rope_scaling(rope: dict[str, Any] | None) -> None:
+def _validate_rope_scaling(rope: dict[str, Any] | None, allow_yarn: bool = False) -> None:
     if rope is None:
         return
     kind = rope.get("rope_type", rope.get("type"))
-    _check(kind in ("linear", "llama3"), "rope_scaling.rope_type",
-           f"unsupported RoPE scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    kinds = ("linear", "llama3", "yarn") if allow_yarn else ("linear", "llama3")  # yarn: MLA families only
+    _check(kind in kinds, "rope_scaling.rope_type",
+           f"unsupported RoPE scaling {kind!r}; supported: {', '.join(ROPE_TYPES + kinds[2:])}")
+    if kind == "yarn":  # factor may be absent (then max_position_embeddings / the original), as transformers
+        _check(isinstance(rope.get("original_max_position_embeddings"), int),
+               "rope_scaling.original_max_position_embeddings", "missing or not an integer for rope_type 'yarn'")
+        return
     needed = ("factor",) if kind == "linear" else _LLAMA3_KEYS
     for key in needed:
         _check(isinstance(rope.get(key), (int, float)), f"rope_scaling.{key}",
@@ -277,7 +325,7 @@ def _from_hf_dict(d: dict[str, Any]) -> ModelConfig:
         logger.warning("sliding_window=%d < max_position_embeddings=%d: capping the context at %d tokens",
                        window, max_pos, window)
         max_pos = window
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=_typed(d, "vocab_size", "int", _required(d, "vocab_size")),
         hidden_size=hidden,
         intermediate_size=_typed(d, "intermediate_size", "int", _required(d, "intermediate_size")),
@@ -294,5 +342,5 @@ def _from_hf_dict(d: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         architecture=arch,
         dtype=str(dtype),
-        **family_fields,
     )
+    return ModelConfig(**{**fields, **family_fields})  # a family may override a shared field (MLA: head_dim)

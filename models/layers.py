@@ -78,10 +78,12 @@ class MLP(nn.Module):
 
     config: ModelConfig
     param_dtype: Any = jnp.float32
+    width: int | None = None  # default: intermediate_size (DeepSeek's shared experts: their own)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
         c, dt = self.config, self.param_dtype
-        gate = _dense(c.intermediate_size, False, dt, "gate_proj")(x)
-        up = _dense(c.intermediate_size, False, dt, "up_proj")(x)
+        width = self.width or c.intermediate_size
+        gate = _dense(width, False, dt, "gate_proj")(x)
+        up = _dense(width, False, dt, "up_proj")(x)
         return _dense(c.hidden_size, False, dt, "down_proj")(nn.silu(gate) * up)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
+from jaxcpp.kernels.mla_attention import write_latent_pages
 from jaxcpp.kernels.ragged_paged_attention import (
     is_fp8,
     ragged_paged_attention_reference,
@@ -40,6 +41,7 @@ from jaxcpp.kernels.ragged_paged_attention import (
 )
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.layers import INIT_STD, MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
+from jaxcpp.models.mla import DeepseekMoE, MLAttention, dense_attend, mla_attention_fn
 from jaxcpp.models.moe import ExpertsFn, MoEBlock, grouped_experts
 
 __all__ = ["INIT_STD", "MLP", "RMSNorm", "apply_rope", "rope_inv_freq"]  # re-exported: their old home
@@ -96,6 +98,16 @@ class Attention(nn.Module):
     def out(self, attn: jax.Array) -> jax.Array:  # [..., T, H, Dh] -> [..., T, D]
         return self.o_proj(attn.reshape(*attn.shape[:-2], -1))
 
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> tuple[jax.Array, Any]:
+        attn, aux = attend(*self.qkv(x, positions))
+        return self.out(attn), aux
+
+
+def init_attend(*args: jax.Array) -> tuple[jax.Array, None]:
+    """An `attend` for shapes only (param init): zeros of the output's shape, for either attention kind
+    (its last argument is v [.., Hkv, Dh] or MLA's W_UV [r, H, dv])."""
+    return jnp.zeros((*args[0].shape[:-1], args[-1].shape[-1]), args[0].dtype), None
+
 
 class DecoderLayer(nn.Module):
     config: LlamaConfig
@@ -105,9 +117,10 @@ class DecoderLayer(nn.Module):
     def setup(self) -> None:
         c, dt = self.config, self.param_dtype
         self.input_layernorm = RMSNorm(c.rms_norm_eps, dt)
-        self.self_attn = Attention(c, dt)
+        self.self_attn = MLAttention(c, dt) if c.is_mla else Attention(c, dt)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dt)
-        self.mlp = MoEBlock(c, dt) if self.moe else MLP(c, dt)
+        moe_block = DeepseekMoE if c.is_mla else MoEBlock
+        self.mlp = moe_block(c, dt) if self.moe else MLP(c, dt)
 
     def __call__(
         self,
@@ -116,9 +129,8 @@ class DecoderLayer(nn.Module):
         attend: Attend,
         experts_fn: ExpertsFn = grouped_experts,
     ) -> tuple[jax.Array, Any]:  # ([..., T, D], whatever `attend` returned beside its output)
-        q, k, v = self.self_attn.qkv(self.input_layernorm(hidden), positions)
-        attn, aux = attend(q, k, v)
-        hidden = hidden + self.self_attn.out(attn)
+        attn, aux = self.self_attn(self.input_layernorm(hidden), positions, attend)
+        hidden = hidden + attn
         normed = self.post_attention_layernorm(hidden)
         return hidden + (self.mlp(normed, experts_fn) if self.moe else self.mlp(normed)), aux
 
@@ -147,7 +159,7 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -
 
         def init_layer(k: jax.Array) -> Params:
             dummy = jnp.zeros((1, d), dtype)
-            return layer.init(k, dummy, jnp.zeros((1,), jnp.int32), lambda q, k_, v_: (q, None))["params"]
+            return layer.init(k, dummy, jnp.zeros((1,), jnp.int32), init_attend)["params"]
 
         return jax.vmap(init_layer)(keys)  # {...: [L, ...]}
 
@@ -235,7 +247,7 @@ def run_layers(
     kv: KVCache,  # pages of exactly these L layers
     md: AttentionMetadata,
     config: LlamaConfig,
-    attention_fn: AttentionFn = ragged_paged_attention_reference,
+    attention_fn: AttentionFn | None = None,
     *,
     calculate_kv_scales: bool = False,
     experts_fn: ExpertsFn = grouped_experts,
@@ -245,6 +257,7 @@ def run_layers(
     fp8 pages: writes quantize with the layer's scales, which the attention op gets to dequantize;
     `calculate_kv_scales`: scales still 0 are set from this step's K/V first (`_calculated_scales`);
     `experts_fn`: the MoE layers' experts (expert-parallel under a mesh: `sharding.shard_experts`)."""
+    attention_fn = attention_fn or default_attention(config)
     num_layers = num_layers_of(layer_params)
     if kv.k.shape[0] != num_layers:
         raise ValueError(f"KV cache holds {kv.k.shape[0]} layers but layer_params has {num_layers}")
@@ -267,6 +280,9 @@ def _run_alike(run: Params, first: int, hidden: jax.Array, kv: KVCache, md: Atte
         hidden, kv = carry
         lp, i = xs
 
+        def attend_latent(*args: jax.Array) -> tuple[jax.Array, Any]:
+            return paged_mla_attend(kv, i, md, attention_fn, fp8, calculate_kv_scales, *args)
+
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
             scaled_kv = _calculated_scales(kv, i, k, v, md) if fp8 and calculate_kv_scales else kv
             scales = _layer_scales(scaled_kv, i) if fp8 else None
@@ -280,12 +296,37 @@ def _run_alike(run: Params, first: int, hidden: jax.Array, kv: KVCache, md: Atte
             return attention_fn(*pages, scales) if fp8 else attention_fn(*pages), new_kv
 
         lp = dequantize_weights(lp, hidden.dtype)
-        out: Any = layer.apply({"params": lp}, hidden, md.positions, attend, experts_fn)  # (hidden, kv)
+        out: Any = layer.apply({"params": lp}, hidden, md.positions, attend_latent if config.is_mla else attend,
+                               experts_fn)  # (hidden, kv)
         return out, None
 
     indices = jnp.arange(first, first + num_layers_of(run))
     (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (run, indices))
     return hidden, kv
+
+
+def default_attention(config: LlamaConfig) -> AttentionFn:
+    """The paged attention op a model's layers take when the caller names none: the ragged reference,
+    or for an MLA model the latent-page op with the per-step choice of form (`mla_attention_fn`)."""
+    return mla_attention_fn(config) if config.is_mla else ragged_paged_attention_reference
+
+
+def paged_mla_attend(kv: KVCache, layer: jax.Array, md: AttentionMetadata, attention_fn: AttentionFn, fp8: bool,
+                     calculate_kv_scales: bool, q_nope: jax.Array, q_pe: jax.Array, latent: jax.Array,
+                     k_pe: jax.Array, w_uk: jax.Array, w_uv: jax.Array) -> tuple[jax.Array, KVCache]:
+    """MLA over latent pages: write the step's (c, k_pe) rows into layer `layer`'s pages (`kv.k`, one
+    latent "head"), then attend over all layers' pages viewed as one pool with this layer's page ids
+    offset (as the K/V path does). fp8 pages: one scale a layer for the whole row (`kv.k_scale`)."""
+    if fp8 and calculate_kv_scales:
+        row = jnp.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1)[:, None, :]
+        kv = _calculated_scales(kv, layer, row, row, md)
+    scale = _layer_scales(kv, layer)[0] if fp8 else None
+    num_layers, num_pages, page_size = kv.k.shape[:3]
+    pool = kv.k.reshape(num_layers * num_pages, page_size, kv.k.shape[-1])
+    pool = write_latent_pages(pool, latent, k_pe, md.slot_mapping + layer * (num_pages * page_size), scale)
+    layer_md = md._replace(page_indices=md.page_indices + layer * num_pages)
+    out = attention_fn(q_nope, q_pe, pool, w_uk, w_uv, layer_md, scale)
+    return out, kv._replace(k=pool.reshape(kv.k.shape))
 
 
 def compute_logits(
@@ -308,7 +349,7 @@ def forward(
     kv: KVCache,
     md: AttentionMetadata,
     config: LlamaConfig,
-    attention_fn: AttentionFn = ragged_paged_attention_reference,
+    attention_fn: AttentionFn | None = None,
 ) -> tuple[jax.Array, KVCache]:  # (hidden [T, D] before the final norm, kv)
     return run_layers(params["layers"], embed(params, token_ids), kv, md, config, attention_fn)
 
@@ -336,13 +377,13 @@ def forward_dense(
     """Whole sequences from position 0 with plain causal attention: training and tests."""
     positions = jnp.arange(token_ids.shape[-1], dtype=jnp.int32)
     hidden = embed(params, token_ids)
+    attend = dense_attend(config) if config.is_mla else lambda q, k, v: (dense_causal_attention(q, k, v), None)
     for run in runs_of(params["layers"]):
         layer = DecoderLayer(config, moe=is_moe_run(run))
 
         def body(hidden: jax.Array, lp: Params, layer: DecoderLayer = layer) -> tuple[jax.Array, None]:
             lp = dequantize_weights(lp, hidden.dtype)
-            hidden, _ = layer.apply({"params": lp}, hidden, positions,
-                                    lambda q, k, v: (dense_causal_attention(q, k, v), None))
+            hidden, _ = layer.apply({"params": lp}, hidden, positions, attend)
             return hidden, None
 
         hidden, _ = jax.lax.scan(body, hidden, run)
@@ -355,8 +396,11 @@ def make_kv_cache(
     v_scale: Any = None,  # [num_layers] float32
 ) -> KVCache:
     shape = (num_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    v_shape = shape
+    if config.is_mla:  # one latent row a token a layer in k ("one KV head"), nothing in v
+        shape, v_shape = (*shape[:3], 1, config.kv_lora_rank + config.qk_rope_head_dim), (*shape[:3], 1, 0)
     ones = jnp.ones((num_layers,), jnp.float32)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(v_shape, dtype),
                    ones if k_scale is None else jnp.asarray(k_scale, jnp.float32),
                    ones if v_scale is None else jnp.asarray(v_scale, jnp.float32))
 

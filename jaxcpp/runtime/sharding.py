@@ -46,7 +46,8 @@ def _divides(tp: int, n: int) -> bool:
 
 
 def kv_heads_sharded(config: LlamaConfig, tp: int) -> bool:
-    return _divides(tp, config.num_key_value_heads)
+    # MLA's latent pages have one shared row a token: replicated, the heads' work split by GSPMD
+    return not config.is_mla and _divides(tp, config.num_key_value_heads)
 
 
 def experts_sharded(config: LlamaConfig, tp: int) -> bool:
@@ -59,10 +60,12 @@ def layer_spec(path: tuple[str, ...], config: LlamaConfig, tp: int) -> P:
     if "experts" in modules:  # kernel [L, E, in, out], kernel_scale [L, E, out]: split by expert
         return P(None, "tp") if experts_sharded(config, tp) else REPLICATED
     name = modules[-1] if modules else ""
+    width = config.intermediate_size  # DeepSeek's shared experts: their own width
+    if "shared_experts" in modules:
+        width = config.moe_intermediate_size * config.n_shared_experts
     column = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads,
-              "v_proj": config.num_key_value_heads, "gate_proj": config.intermediate_size,
-              "up_proj": config.intermediate_size}
-    row = {"o_proj": config.num_attention_heads, "down_proj": config.intermediate_size}
+              "v_proj": config.num_key_value_heads, "gate_proj": width, "up_proj": width}
+    row = {"o_proj": config.num_attention_heads, "down_proj": width}
     if name in column and _divides(tp, column[name]):
         # kernel [L, in, out], bias [L, out]
         return P(None, None, "tp") if leaf == "kernel" else P(None, "tp")

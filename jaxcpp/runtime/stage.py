@@ -159,6 +159,12 @@ def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: Att
     return q * 0
 
 
+def zero_mla_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pages: jax.Array, w_uk: jax.Array,
+                       w_uv: jax.Array, md: AttentionMetadata, latent_scale: jax.Array | None = None) -> jax.Array:
+    """`zero_attention` for an MLA model's signature: zeros of the value head dim."""
+    return jnp.zeros((*q_nope.shape[:-1], w_uv.shape[-1]), q_nope.dtype)
+
+
 class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
                  layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn,
@@ -189,7 +195,9 @@ class Stage:
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._experts_fn = shard_experts(grouped_experts, mesh, config)  # expert-parallel over "tp"
-        self._program = self._jit(shard_attention(attention_fn, mesh, config))
+        # an MLA model attends over latent pages (llama.default_attention: the XLA path on every backend)
+        self._program = self._jit(llama.default_attention(config) if config.is_mla
+                                  else shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         # in_shardings: a grammar mask comes from the host with the call (a device_put of its own cost the
         # late draw ~0.07 ms of host time a step: docs/benchmarks.md, structured outputs)
@@ -318,7 +326,8 @@ class Stage:
         """The same program with attention replaced by zeros (its K/V writes go to the reserved page)."""
         if self._attention_free_program is None:
             # the calibration sweep's K/V are no prompt's: they must not set calculated fp8 scales
-            self._attention_free_program = self._jit(zero_attention, calculate_kv_scales=False)
+            zero = zero_mla_attention if self.config.is_mla else zero_attention
+            self._attention_free_program = self._jit(zero, calculate_kv_scales=False)
         out, self.kv = self._attention_free_program(self.params, self.kv, hidden, batch.packed,
                                                     self._feedback(None), layout=batch.layout)
         return self._output(out, batch)

@@ -73,8 +73,12 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
                   sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers))
     weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
     kv_bytes = stage.kv.k.nbytes + stage.kv.v.nbytes
-    log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s)", index,
-             weight_bytes / 2**20, _weight_dtypes(params), kv_bytes / 2**20, sizing.num_pages, sizing.kv_cache_dtype)
+    model = sizing.spec.config
+    latent = (f", latent rows of {model.kv_lora_rank} + {model.qk_rope_head_dim} values a token a layer"
+              if model.is_mla else "")  # MLA: one row shared by all heads (core/sizing.py counts the same)
+    log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s%s)", index,
+             weight_bytes / 2**20, _weight_dtypes(params), kv_bytes / 2**20, sizing.num_pages, sizing.kv_cache_dtype,
+             latent)
     return stage
 
 

@@ -20,9 +20,11 @@ from jaxcpp.kernels.mla_attention import (
     mla_absorbed_attention,
     mla_absorbed_reference,
     mla_absorbed_xla,
+    mla_attention_auto,
     mla_attention_xla,
     mla_prefill_rebuilt_xla,
     project_values,
+    rebuild_is_cheaper,
     split_kv_b,
     write_latent_pages,
 )
@@ -120,6 +122,29 @@ def test_step_forms_on_ragged_mixes(mix):
         assert np.all(np.asarray(out)[real:] == 0)
     decodes = int(b["md"].num_decodes)
     assert np.all(np.asarray(rebuilt_out(b))[:decodes] == 0)
+
+
+def _flops():
+    from jaxcpp.chunking.mla_cost import MlaShape
+
+    shape = MlaShape(HEADS, RANK, NOPE, ROPE, V_DIM)
+    return shape, (shape.kv_b_flops, shape.pair_flops("absorbed"), shape.pair_flops("rebuilt"))
+
+
+@pytest.mark.parametrize(("chunk", "prefix"), [(61, 0), (2, 250), (17, 250), (61, 256), (37, 21)])
+def test_per_step_choice_is_the_flop_rule(chunk, prefix):
+    """One prefill sequence (after 3 decodes, which never count): the device-side choice equals
+    `jaxcpp.chunking.mla_cost.prefer_rebuild`, and the step's output equals float64 either way."""
+    from jaxcpp.chunking.mla_cost import prefer_rebuild
+
+    shape, flops = _flops()
+    b = mla_batch([1, 1, 1, chunk], [40, 0, 299, prefix], seed=chunk)
+    assert bool(rebuild_is_cheaper(b["md"], *flops)) == prefer_rebuild(shape, prefix, chunk)
+    out = mla_attention_auto(b["q_nope"], b["q_rope"], b["pages"], b["w_uk"], b["w_uv"], b["md"],
+                             sm_scale=SM_SCALE, flops=flops)
+    assert max_error(out, dense_mla(b)) < 1e-5
+    decodes_only = mla_batch([1, 1], [3, 200])["md"]
+    assert not bool(rebuild_is_cheaper(decodes_only, *flops))  # decodes always attend absorbed
 
 
 def test_rebuilt_small_blocks_and_one_compile():

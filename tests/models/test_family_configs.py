@@ -36,7 +36,17 @@ def test_mixtral_always_renormalises_and_reads_num_local_experts():
     assert not c.qk_norm and c.dense_layers == ()
 
 
+DEEPSEEK = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=2,
+                q_lora_rank=None)
+
+
 @pytest.mark.parametrize("arch, fields", [
+    ("DeepseekV2ForCausalLM", DEEPSEEK),
+    ("DeepseekV2ForCausalLM", dict(DEEPSEEK, topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                 "mscale_all_dim": 1.0, "original_max_position_embeddings": 64})),
     ("Qwen3ForCausalLM", dict(attention_bias=True)),
     ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,
@@ -56,7 +66,14 @@ def test_round_trip(arch, fields):
     ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                                  decoder_sparse_step=0), "decoder_sparse_step"),
     ("Qwen2MoeForCausalLM", {}, "architectures"),
-    ("DeepseekV3ForCausalLM", {}, "architectures"),
+    # DeepSeek-V3 is supported now (it was this case's "architectures" refusal): its own fields are named
+    ("DeepseekV3ForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8),
+     "kv_lora_rank"),
+    ("DeepseekV3ForCausalLM", dict(DEEPSEEK, n_group=3), "n_group"),
+    ("DeepseekV2ForCausalLM", dict(DEEPSEEK, topk_method="noaux_tc"), "topk_method"),
+    ("DeepseekV2ForCausalLM", dict(DEEPSEEK, moe_layer_freq=2), "moe_layer_freq"),
+    ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 64}), "rope_scaling.rope_type"),
 ])
 def test_bad_fields_are_named(arch, fields, field):
     with pytest.raises(ModelLoadError, match=rf"config.json: {field}:"):

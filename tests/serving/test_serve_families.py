@@ -22,6 +22,15 @@ FAMILIES = {
     "qwen3": {},
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    # MLA: a latent cache; V3 with q LoRA, YaRN and the grouped sigmoid router, V2-Lite without q LoRA
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                        topk_group=2, moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1,
+                        rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}),
+    "deepseek_v2": dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=2),
 }
 FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
          "--log-stats-interval-s", "0"]
@@ -30,7 +39,7 @@ FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--max-num-batched-token
 def hf_folder(model_type: str, folder) -> tuple[str, list[int]]:
     """A random transformers model saved to `folder`, and its greedy continuation of PROMPT."""
     torch.manual_seed(1)
-    config = transformers.AutoConfig.for_model(model_type, **DIMS, **FAMILIES[model_type])
+    config = transformers.AutoConfig.for_model(model_type, **{**DIMS, **FAMILIES[model_type]})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
