@@ -66,6 +66,9 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it
     n_shared_experts: int = 0  # > 0: a SwiGLU of n_shared_experts * moe_intermediate_size beside the experts
+    # Qwen2-MoE's shared expert (families/qwen2_moe.py): a SwiGLU of this width beside the routed experts,
+    # its output scaled by sigmoid(x · shared_expert_gate) per token
+    shared_expert_intermediate_size: int = 0
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; models/mla.py): kv_lora_rank > 0 selects it.
     # head_dim is then qk_rope_head_dim (what RoPE rotates) and the KV pages hold latent rows.
     kv_lora_rank: int = 0
@@ -160,6 +163,8 @@ class ModelConfig:
         dense = 3 * d * self.intermediate_size
         expert = 3 * d * self.moe_intermediate_size
         shared = expert * self.n_shared_experts + (self.num_experts if self.router == "sigmoid" else 0)
+        if self.shared_expert_intermediate_size:  # Qwen2-MoE: the gated shared expert and its gate
+            shared += 3 * d * self.shared_expert_intermediate_size + d
         total = active = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
         for layer in range(self.num_hidden_layers):
             if self.is_moe_layer(layer):

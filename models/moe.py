@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcpp.models.config import ModelConfig
-from jaxcpp.models.layers import INIT_STD
+from jaxcpp.models.layers import INIT_STD, MLP
 
 # experts_fn(x [N, D], ids [N, k], weights [N, k], gate [E, D, I], up [E, D, I], down [E, I, D]) -> [N, D]
 ExpertsFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -160,7 +160,8 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router ("gate", [D, E]) + experts; params named as transformers' Qwen3-MoE block."""
+    """Router ("gate", [D, E]) + experts (+ Qwen2-MoE's gated shared expert); params named as transformers'
+    Qwen3-MoE / Qwen2-MoE blocks."""
 
     config: ModelConfig
     param_dtype: Any = jnp.float32
@@ -172,4 +173,8 @@ class MoEBlock(nn.Module):
         router = Kernel((c.hidden_size, c.num_experts), self.param_dtype, name="gate")()
         weights, ids = route(flat, router, c.num_experts_per_tok, c.norm_topk_prob)
         out = experts_fn(flat, ids, weights, *Experts(c, self.param_dtype, name="experts")())
+        if c.shared_expert_intermediate_size:  # every token also runs the shared expert, scaled by its gate
+            shared = MLP(c, self.param_dtype, c.shared_expert_intermediate_size, name="shared_expert")(flat)
+            gate = Kernel((c.hidden_size, 1), self.param_dtype, name="shared_expert_gate")()
+            out = out + (jax.nn.sigmoid(flat @ gate) * shared).astype(out.dtype)
         return out.astype(x.dtype).reshape(x.shape)

@@ -1,7 +1,7 @@
 """Qwen3 and Qwen3-MoE: RMSNorm on q and k over the head dim before RoPE, an explicit head_dim.
 
 Qwen3-MoE's sparse layers are those with `(i + 1) % decoder_sparse_step == 0` not listed in
-`mlp_only_layers` (transformers' rule); the others keep a dense MLP of `intermediate_size`.
+`mlp_only_layers` (transformers' rule, Qwen2-MoE's too); the others keep a dense MLP of `intermediate_size`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def _qwen3_hf(config: ModelConfig) -> dict[str, Any]:
             "use_sliding_window": False}
 
 
-def _qwen3_moe(d: dict[str, Any]) -> dict[str, Any]:
+def sparse_layer_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of Qwen's MoE families (Qwen2-MoE, Qwen3-MoE), sparse layers by transformers' rule."""
     layers = typed(d, "num_hidden_layers", "int", 0)
     step = typed(d, "decoder_sparse_step", "int", 1)
     check(step >= 1, "decoder_sparse_step", f"must be a positive integer, got {step!r}")
@@ -29,7 +30,11 @@ def _qwen3_moe(d: dict[str, Any]) -> dict[str, Any]:
     check(all(is_int(i) and 0 <= i < layers for i in mlp_only), "mlp_only_layers",
           f"must list layer indices in [0, {layers}), got {mlp_only!r}")
     dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step != 0)
-    return {**_qwen3(d), **moe_fields(d, "num_experts", "moe_intermediate_size", None), "dense_layers": dense}
+    return {**moe_fields(d, "num_experts", "moe_intermediate_size", None), "dense_layers": dense}
+
+
+def _qwen3_moe(d: dict[str, Any]) -> dict[str, Any]:
+    return {**_qwen3(d), **sparse_layer_fields(d)}
 
 
 def _qwen3_moe_hf(config: ModelConfig) -> dict[str, Any]:

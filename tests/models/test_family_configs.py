@@ -51,6 +51,8 @@ DEEPSEEK = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_
     ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16,
                                  mlp_only_layers=[1, 2], norm_topk_prob=False)),
+    ("Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                 shared_expert_intermediate_size=24, mlp_only_layers=[0])),
 ])
 def test_round_trip(arch, fields):
     c = parse(arch, **fields)
@@ -65,7 +67,9 @@ def test_round_trip(arch, fields):
                                  mlp_only_layers=[9]), "mlp_only_layers"),
     ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                                  decoder_sparse_step=0), "decoder_sparse_step"),
-    ("Qwen2MoeForCausalLM", {}, "architectures"),
+    ("Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+     "shared_expert_intermediate_size"),
+    ("Phi3ForCausalLM", {}, "architectures"),
     # DeepSeek-V3 is supported now (it was this case's "architectures" refusal): its own fields are named
     ("DeepseekV3ForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8),
      "kv_lora_rank"),

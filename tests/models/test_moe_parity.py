@@ -1,4 +1,4 @@
-"""Qwen3, Mixtral and Qwen3-MoE against transformers (PyTorch CPU, float32) on random tiny models.
+"""Qwen3, Mixtral, Qwen3-MoE and Qwen2-MoE against transformers (PyTorch CPU, float32) on random tiny models.
 
 As tests/models/test_hf_parity.py: a random transformers model with every weight perturbed, saved with
 `save_pretrained` (per-expert tensors, as the hub's checkpoints), loaded by our loader (experts stacked at
@@ -24,6 +24,9 @@ CASES = {
     # layer 0 dense (mlp_only_layers), layer 1 sparse, raw top-k weights: two runs of unlike layers
     "qwen3-moe-mixed": ("qwen3_moe", dict(num_key_value_heads=2, num_experts=4, norm_topk_prob=False,
                                           mlp_only_layers=[0], **MOE)),
+    # q/k/v biases, a gated shared expert of its own width beside the routed ones, a dense layer first
+    "qwen2-moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, norm_topk_prob=False,
+                                    shared_expert_intermediate_size=40, mlp_only_layers=[0], **MOE)),
 }
 
 
@@ -133,7 +136,7 @@ def test_expert_slices_sum_to_the_whole():
 
 @pytest.mark.parity
 @needs_torch
-@pytest.mark.parametrize("case", ["qwen3", "mixtral", "qwen3-moe-mixed"])
+@pytest.mark.parametrize("case", ["qwen3", "mixtral", "qwen3-moe-mixed", "qwen2-moe"])
 def test_param_counts_equal_transformers(case, tmp_path):
     """ModelConfig.param_counts' total is transformers' parameter count; active counts k of E experts."""
     from jaxcpp.core.sizing import parameter_summary

@@ -22,6 +22,8 @@ FAMILIES = {
     "qwen3": {},
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
     # MLA: a latent cache; V3 with q LoRA, YaRN and the grouped sigmoid router, V2-Lite without q LoRA
     "deepseek_v3": dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
