@@ -279,7 +279,8 @@ def _weight_leaves(spec: ModelSpec, path: tuple[str, ...], value: np.ndarray, ro
     if quantization == "fp8" and path[-1] == "kernel" and path[-2] != "gate":
         kernel, scale = quantize_fp8_per_channel(value)
         return [("kernel", kernel), ("kernel_scale", scale)]
-    return [(path[-1], value.astype(target, copy=False))]
+    keep_f32 = path[-1] == "e_score_correction_bias"  # DeepSeek-V3's selection bias: float32, as transformers
+    return [(path[-1], value.astype(np.float32 if keep_f32 else target, copy=False))]
 
 
 KV_SCALE_NAMES = (("self_attn.k_scale", "self_attn.v_scale"),               # vLLM's, compressed-tensors

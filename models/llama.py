@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
-from jaxcpp.kernels.mla_attention import write_latent_pages
 from jaxcpp.kernels.ragged_paged_attention import (
     is_fp8,
     ragged_paged_attention_reference,
@@ -41,7 +40,7 @@ from jaxcpp.kernels.ragged_paged_attention import (
 )
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.layers import INIT_STD, MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
-from jaxcpp.models.mla import DeepseekMoE, MLAttention, dense_attend, mla_attention_fn
+from jaxcpp.models.mla import DeepseekMoE, MLAttention, dense_attend, mla_attention_fn, paged_mla_attention
 from jaxcpp.models.moe import ExpertsFn, MoEBlock, grouped_experts
 
 __all__ = ["INIT_STD", "MLP", "RMSNorm", "apply_rope", "rope_inv_freq"]  # re-exported: their old home
@@ -280,8 +279,14 @@ def _run_alike(run: Params, first: int, hidden: jax.Array, kv: KVCache, md: Atte
         hidden, kv = carry
         lp, i = xs
 
-        def attend_latent(*args: jax.Array) -> tuple[jax.Array, Any]:
-            return paged_mla_attend(kv, i, md, attention_fn, fp8, calculate_kv_scales, *args)
+        def attend_latent(*args: jax.Array) -> tuple[jax.Array, Any]:  # MLA: latent rows in kv.k
+            scaled_kv = kv
+            if fp8 and calculate_kv_scales:
+                row = jnp.concatenate([args[2], args[3].astype(args[2].dtype)], axis=-1)[:, None, :]
+                scaled_kv = _calculated_scales(kv, i, row, row, md)
+            scale = _layer_scales(scaled_kv, i)[0] if fp8 else None
+            out, k = paged_mla_attention(scaled_kv.k, i, md, attention_fn, scale, *args)
+            return out, scaled_kv._replace(k=k)
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
             scaled_kv = _calculated_scales(kv, i, k, v, md) if fp8 and calculate_kv_scales else kv
@@ -309,24 +314,6 @@ def default_attention(config: LlamaConfig) -> AttentionFn:
     """The paged attention op a model's layers take when the caller names none: the ragged reference,
     or for an MLA model the latent-page op with the per-step choice of form (`mla_attention_fn`)."""
     return mla_attention_fn(config) if config.is_mla else ragged_paged_attention_reference
-
-
-def paged_mla_attend(kv: KVCache, layer: jax.Array, md: AttentionMetadata, attention_fn: AttentionFn, fp8: bool,
-                     calculate_kv_scales: bool, q_nope: jax.Array, q_pe: jax.Array, latent: jax.Array,
-                     k_pe: jax.Array, w_uk: jax.Array, w_uv: jax.Array) -> tuple[jax.Array, KVCache]:
-    """MLA over latent pages: write the step's (c, k_pe) rows into layer `layer`'s pages (`kv.k`, one
-    latent "head"), then attend over all layers' pages viewed as one pool with this layer's page ids
-    offset (as the K/V path does). fp8 pages: one scale a layer for the whole row (`kv.k_scale`)."""
-    if fp8 and calculate_kv_scales:
-        row = jnp.concatenate([latent, k_pe.astype(latent.dtype)], axis=-1)[:, None, :]
-        kv = _calculated_scales(kv, layer, row, row, md)
-    scale = _layer_scales(kv, layer)[0] if fp8 else None
-    num_layers, num_pages, page_size = kv.k.shape[:3]
-    pool = kv.k.reshape(num_layers * num_pages, page_size, kv.k.shape[-1])
-    pool = write_latent_pages(pool, latent, k_pe, md.slot_mapping + layer * (num_pages * page_size), scale)
-    layer_md = md._replace(page_indices=md.page_indices + layer * num_pages)
-    out = attention_fn(q_nope, q_pe, pool, w_uk, w_uv, layer_md, scale)
-    return out, kv._replace(k=pool.reshape(kv.k.shape))
 
 
 def compute_logits(

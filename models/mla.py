@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcpp.chunking.mla_cost import MlaShape
-from jaxcpp.kernels.mla_attention import mla_attention_auto
+from jaxcpp.kernels.mla_attention import mla_attention_auto, write_latent_pages
 from jaxcpp.models.config import ModelConfig
 from jaxcpp.models.layers import MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
 from jaxcpp.models.moe import Experts, ExpertsFn, Kernel, grouped_experts
@@ -169,6 +169,20 @@ def mla_attention_fn(config: ModelConfig) -> Callable[..., jax.Array]:
                      config.qk_rope_head_dim, config.v_head_dim)
     flops = (shape.kv_b_flops, shape.pair_flops("absorbed"), shape.pair_flops("rebuilt"))
     return functools.partial(mla_attention_auto, sm_scale=softmax_scale(config), flops=flops)
+
+
+def paged_mla_attention(k_pages: jax.Array, layer: jax.Array, md: Any, attention_fn: Callable[..., jax.Array],
+                        scale: jax.Array | None, q_nope: jax.Array, q_pe: jax.Array, latent: jax.Array,
+                        k_pe: jax.Array, w_uk: jax.Array, w_uv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MLA over latent pages (`k_pages` [L, N, page_size, 1, r + dr], a stage's KVCache.k): write the
+    step's (c, k_pe) rows into layer `layer`'s pages, then attend over all layers' pages viewed as one
+    pool with this layer's page ids offset (as the K/V path does; a reshape is free, a slice would copy).
+    fp8 pages: `scale`, one a layer for the whole row. Returns (out [T, H, dv], the updated k_pages)."""
+    num_layers, num_pages, page_size = k_pages.shape[:3]
+    pool = k_pages.reshape(num_layers * num_pages, page_size, k_pages.shape[-1])
+    pool = write_latent_pages(pool, latent, k_pe, md.slot_mapping + layer * (num_pages * page_size), scale)
+    layer_md = md._replace(page_indices=md.page_indices + layer * num_pages)
+    return attention_fn(q_nope, q_pe, pool, w_uk, w_uv, layer_md, scale), pool.reshape(k_pages.shape)
 
 
 def dense_mla_attention(q_nope: jax.Array, q_pe: jax.Array, latent: jax.Array, k_pe: jax.Array, w_uk: jax.Array,

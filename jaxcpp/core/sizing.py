@@ -128,7 +128,7 @@ def kv_values_per_token(model: LlamaConfig) -> int:
     qk_rope_head_dim values shared by all heads (`jaxcpp.kernels.mla_attention`)."""
     rank = getattr(model, "kv_lora_rank", None)
     if rank:
-        return int(rank) + int(model.qk_rope_head_dim)  # type: ignore[attr-defined]
+        return int(rank) + int(model.qk_rope_head_dim)
     return 2 * model.num_key_value_heads * model.head_dim
 
 

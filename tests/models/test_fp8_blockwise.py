@@ -99,6 +99,16 @@ def test_block_fp8_logits_within_fp8_tolerance(folders):
     assert error < 0.25 and agree >= 0.75
 
 
+def test_selection_bias_stays_float32_in_a_bfloat16_model(folders):
+    """The router's e_score_correction_bias decides which experts run: float32 whatever the model dtype
+    (transformers keeps it so), while the weights take the requested dtype."""
+    exact_folder, _ = folders
+    spec = checkpoint.resolve_model_spec(exact_folder, "bfloat16")
+    params = checkpoint.load_stage_params(spec, (0, 3), True, True)
+    gate = params["layers"][1]["mlp"]["gate"]
+    assert gate["e_score_correction_bias"].dtype == np.float32 and gate["kernel"].dtype == ml_dtypes.bfloat16
+
+
 def test_requantize_blockwise_per_channel_error():
     """Requantized per channel, each value is within half an e4m3 step at the channel's top of its exact
     block-dequantized value, for blocks of very unlike scale."""
