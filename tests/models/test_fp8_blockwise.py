@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models import checkpoint, llama
 from jaxcpp.models.fp8 import requantize_blockwise
+from jaxcpp.models.safetensors_file import SafetensorsFile
 from tests.pipeline.test_deepseek_pipeline import deepseek_config
 
 BLOCK = 16  # DeepSeek's is 128; the tiny model's matrices are 24-96 wide, so 16 gives several blocks
@@ -45,7 +46,7 @@ def folders(tmp_path_factory):
     params = llama.init_params(config, jax.random.key(2))
     root = tmp_path_factory.mktemp("blockfp8")
     checkpoint.save_hf(root / "src", params, config)
-    src = checkpoint._SafetensorsFile(root / "src" / "model.safetensors")
+    src = SafetensorsFile(root / "src" / "model.safetensors")
     exact, fp8 = {}, {}
     for name in src.header:
         w = np.asarray(src.get(name))
@@ -124,7 +125,7 @@ def test_requantize_blockwise_per_channel_error():
 
 def test_block_scale_that_does_not_tile_is_named(folders, tmp_path):
     _, fp8_folder = folders
-    f = checkpoint._SafetensorsFile(fp8_folder / "model.safetensors")
+    f = SafetensorsFile(fp8_folder / "model.safetensors")
     tensors = {name: np.asarray(f.get(name)) for name in f.header}
     tensors["model.layers.0.mlp.down_proj.weight_scale_inv"] = np.ones((1, 1), np.float32)
     (tmp_path / "bad").mkdir()
