@@ -136,7 +136,10 @@ def test_generated_bodies_get_no_5xx_and_the_server_serves_on(http_server) -> No
 
     fuzz()
     print("HTTP fuzz outcomes:", dict(sorted(counts.items())))  # the counts docs/reliability.md quotes
-    assert counts[200] >= 20 and counts[400] >= 100, counts  # both reached: not all refused, not all taken
+    # both reached: not all refused, not all taken. The bodies hypothesis draws depend on the hypothesis
+    # tests run before this one in the process, derandomized or not: 18-22 of 400 were taken (200) alone,
+    # after the gRPC fuzz and in the whole suite, so the bar is half that
+    assert counts[200] >= 10 and counts[400] >= 100, counts
     assert served(server.http_port)
     wait_until(lambda: engine.stats().num_pages_used == 0 and server.server.num_in_flight == 0)
     assert not engine.has_unfinished_requests()
