@@ -4,9 +4,10 @@
 layers one after the other in a stage's programs (`jaxcpp.runtime.stage.per_layer`); stacked weights
 ([L, ...], run under a scan) make XLA:CPU copy each layer's weights out of the stack before its dots,
 every step. Both engines are built in this process (start-up, i.e. compiling every bucket, timed for
-each: point JAXCPP_COMPILATION_CACHE_DIR at an empty folder for cold compiles), then the same workloads
-alternate between them `--repeat` times; medians and the per-layer / stacked ratio of each. Greedy
-tokens must match.
+each; the second reuses what the first compiled that both share, the sampler among it, so compare cold
+compile times in fresh processes with the persistent cache off, JAXCPP_COMPILATION_CACHE_DIR=), then
+the same workloads alternate between them `--repeat` times; medians and the per-layer / stacked ratio
+of each. Greedy tokens must match.
 
     JAXCPP_COMPILATION_CACHE_DIR=$(mktemp -d) .venv/bin/python benchmarks/layer_weights.py \
         --model /path/to/hf-llama --repeat 3
