@@ -212,7 +212,8 @@ class Stage:
         tp = mesh.shape["tp"]
         specs = param_specs(params, config, tp)
         layer_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params["layers"]))
-        if holds_layers_apart(layer_weights, self.devices[0].platform, layer_bytes):
+        self.per_layer_weights = holds_layers_apart(layer_weights, self.devices[0].platform, layer_bytes)
+        if self.per_layer_weights:
             params, specs = per_layer(params, specs)
         self.params = jax.device_put(params, named(mesh, specs))
         self.replicated = NamedSharding(mesh, REPLICATED)

@@ -79,6 +79,9 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
     log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s%s)", index,
              weight_bytes / 2**20, _weight_dtypes(params), kv_bytes / 2**20, sizing.num_pages, sizing.kv_cache_dtype,
              latent)
+    if stage.per_layer_weights:  # runs its layers one after the other (--layer-weights; docs/benchmarks.md)
+        log.info("stage %d holds each layer's weights apart (--layer-weights %s): about twice the compile time, "
+                 "no copy out of a stack each step", index, config.model.layer_weights)
     return stage
 
 

@@ -25,6 +25,7 @@ def test_per_layer_weights_equal_stacked_under_pp2_tp2(pp_llm, qwen3_moe):
     engines = {weights: pp_llm(model=qwen3_moe, pipeline_parallel_size=2, tensor_parallel_size=2,
                                layer_weights=weights) for weights in ("stacked", "per-layer")}
     stage = engines["per-layer"].engine.executor.stages[0]
+    assert stage.per_layer_weights and not engines["stacked"].engine.executor.stages[0].per_layer_weights
     runs = stage.params["layers"]
     assert [len(run) for run in runs] == [1, 1]  # layers 0 (MoE) and 1 (dense), one entry each
     experts = runs[0][0]["mlp"]["experts"]["gate_proj"]["kernel"]
