@@ -11,7 +11,8 @@ stacked along a leading `num_layers` axis:
 Where layers differ (an MoE model's dense layers, `ModelConfig.layer_runs`), "layers" is a list of runs
 of alike layers, each such a stacked tree; a layer is an MoE layer when its "mlp" holds "experts".
 A pipeline stage is a slice `layers[start:end]` (cut into its runs), run by `run_layers` under one
-`jax.lax.scan` per run, so compile time does not grow with depth. The decoder layer takes attention as a
+`jax.lax.scan` per run, so compile time does not grow with depth; or, as a CPU stage holds them
+(`unstack_layers`), each run a list of per-layer trees run one after the other. The decoder layer takes attention as a
 callable: the paged path writes the new K/V into the stage's `KVCache` and calls the ragged paged
 attention op; `forward_dense` (training, tests) uses plain causal attention.
 The model knows nothing of stages, sharding or scheduling.
@@ -134,14 +135,32 @@ class DecoderLayer(nn.Module):
         return hidden + (self.mlp(normed, experts_fn) if self.moe else self.mlp(normed)), aux
 
 
-def is_moe_run(run: Params) -> bool:
-    """A stacked run of layers is an MoE run when its "mlp" holds the experts."""
-    return "experts" in run["mlp"]
+# A run of alike layers is a stacked tree ({...: [L, ...]}, run under one `lax.scan`) or, as a CPU stage
+# holds it (`unstack_layers`), a list of one params tree per layer (run one after the other).
+Run = Params | list[Params]
 
 
-def runs_of(layer_params: Params | list[Params]) -> list[Params]:
-    """The runs of alike layers: a stacked tree is one run."""
+def is_moe_run(run: Run) -> bool:
+    """A run of layers is an MoE run when its "mlp" holds the experts."""
+    return "experts" in (run[0] if isinstance(run, list) else run)["mlp"]
+
+
+def runs_of(layer_params: Run | list[Run]) -> list[Run]:
+    """The runs of alike layers: a stacked tree is one run; a list holds runs."""
     return layer_params if isinstance(layer_params, list) else [layer_params]
+
+
+def unstack_layers(layer_params: Run | list[Run]) -> list[list[Params]]:
+    """Stacked runs -> each run a list of one params tree per layer, each leaf an array of its own.
+
+    XLA:CPU copies a layer's weights out of the stacked arrays before it multiplies (the scan's dynamic
+    slice does not fuse into its dots); with the layers apart `run_layers` runs them one after the
+    other in the program and each dot reads its weights where they lie (measured: the copy was ~20% of
+    a 30M Llama's decode step at batch 16, docs/benchmarks.md#per-layer-weights-on-cpu), at the price
+    of a program that holds every layer's body (compile time grows with depth)."""
+    return [run if isinstance(run, list) else [jax.tree_util.tree_map(lambda x, i=i: x[i], run)
+                                               for i in range(run_length(run))]
+            for run in runs_of(layer_params)]
 
 
 # ------------------------------------------------------------------------------------- functional API
@@ -179,8 +198,13 @@ def embed(params: Params, token_ids: jax.Array) -> jax.Array:  # [...] int32 -> 
     return jnp.take(params["embed"], token_ids, axis=0)
 
 
-def num_layers_of(layer_params: Params | list[Params]) -> int:
-    return sum(int(jax.tree_util.tree_leaves(run)[0].shape[0]) for run in runs_of(layer_params))
+def num_layers_of(layer_params: Run | list[Run]) -> int:
+    return sum(run_length(run) for run in runs_of(layer_params))
+
+
+def run_length(run: Run) -> int:
+    """The layers in one run (stacked: its leaves' leading axis; per layer: its entries)."""
+    return len(run) if isinstance(run, list) else int(jax.tree_util.tree_leaves(run)[0].shape[0])
 
 
 def dequantize_weights(layer_params: Params, dtype: Any) -> Params:
@@ -241,7 +265,7 @@ def _write_layer_kv(
 
 
 def run_layers(
-    layer_params: Params | list[Params],  # {...: [L, ...]} (or runs of them): all layers or a stage's slice
+    layer_params: Run | list[Run],  # {...: [L, ...]} (or runs of them, each maybe per layer): all layers or a stage's
     hidden: jax.Array,  # [T, D]
     kv: KVCache,  # pages of exactly these L layers
     md: AttentionMetadata,
@@ -251,8 +275,9 @@ def run_layers(
     calculate_kv_scales: bool = False,
     experts_fn: ExpertsFn = grouped_experts,
 ) -> tuple[jax.Array, KVCache]:  # ([T, D], kv with this step's K/V written)
-    """Run stacked decoder layers on a ragged token batch, writing each layer's new K/V in place; one
-    scan per run of alike layers, the runs' layers numbered on through the one KV cache.
+    """Run decoder layers on a ragged token batch, writing each layer's new K/V in place; one scan per
+    stacked run of alike layers (a per-layer run, `unstack_layers`: its layers one after the other), the
+    runs' layers numbered on through the one KV cache.
     fp8 pages: writes quantize with the layer's scales, which the attention op gets to dequantize;
     `calculate_kv_scales`: scales still 0 are set from this step's K/V first (`_calculated_scales`);
     `experts_fn`: the MoE layers' experts (expert-parallel under a mesh: `sharding.shard_experts`)."""
@@ -262,16 +287,17 @@ def run_layers(
         raise ValueError(f"KV cache holds {kv.k.shape[0]} layers but layer_params has {num_layers}")
     first = 0
     for run in runs_of(layer_params):
-        n = num_layers_of(run)
+        n = run_length(run)
         hidden, kv = _run_alike(run, first, hidden, kv, md, config, attention_fn, calculate_kv_scales, experts_fn)
         first += n
     return hidden, kv
 
 
-def _run_alike(run: Params, first: int, hidden: jax.Array, kv: KVCache, md: AttentionMetadata, config: LlamaConfig,
+def _run_alike(run: Run, first: int, hidden: jax.Array, kv: KVCache, md: AttentionMetadata, config: LlamaConfig,
                attention_fn: AttentionFn, calculate_kv_scales: bool, experts_fn: ExpertsFn
                ) -> tuple[jax.Array, KVCache]:
-    """One run of alike layers under `lax.scan`; its layers are the cache's first, first + 1, ..."""
+    """One run of alike layers, under `lax.scan` when stacked, else layer by layer (the same body, so the
+    same math in the same order); its layers are the cache's first, first + 1, ..."""
     layer = DecoderLayer(config, moe=is_moe_run(run))
     fp8 = is_fp8(kv.k.dtype)
 
@@ -305,7 +331,12 @@ def _run_alike(run: Params, first: int, hidden: jax.Array, kv: KVCache, md: Atte
                                experts_fn)  # (hidden, kv)
         return out, None
 
-    indices = jnp.arange(first, first + num_layers_of(run))
+    if isinstance(run, list):
+        carry = (hidden, kv)
+        for i, lp in enumerate(run):
+            carry, _ = body(carry, (lp, jnp.int32(first + i)))
+        return carry
+    indices = jnp.arange(first, first + run_length(run))
     (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (run, indices))
     return hidden, kv
 

@@ -21,6 +21,12 @@ class ModelConfig:
     quantization: str | None = opt(None, "fp8: quantize a float checkpoint's decoder-layer weights to float8_e4m3 "
                                    "at load, one scale per output channel (checkpoints stored in fp8 load as "
                                    "fp8 without it); matmuls dequantize on the fly", choices=("fp8",))
+    layer_weights: str = opt("auto", "how a stage holds its decoder layers' weights: stacked ([L, ...] arrays, "
+                             "one scanned layer body a program), per-layer (arrays of their own, the layers "
+                             "one after the other: XLA:CPU then multiplies them where they lie instead of "
+                             "copying them out of the stack every step, at about twice the compile time), "
+                             "auto (per-layer on CPU for a stage with >= 16 MiB of layer weights)",
+                             choices=("auto", "stacked", "per-layer"))
 
     def __post_init__(self) -> None:
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")

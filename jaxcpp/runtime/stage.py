@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxcpp.core.step_input import Layout, StepShape, pack, padding_step
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
@@ -165,13 +166,42 @@ def zero_mla_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pages: jax.Arr
     return jnp.zeros((*q_nope.shape[:-1], w_uv.shape[-1]), q_nope.dtype)
 
 
+def per_layer(params: llama.Params, specs: Any) -> tuple[llama.Params, Any]:
+    """A stage's params and their PartitionSpecs with each run of stacked layers as one entry per layer
+    (`llama.unstack_layers`); each layer's specs lose the leading layer axis."""
+    layers = llama.unstack_layers(params["layers"])
+    drop_axis = lambda spec: P(*tuple(spec)[1:])  # noqa: E731
+    one = [jax.tree_util.tree_map(drop_axis, run, is_leaf=lambda x: isinstance(x, P))
+           for run in llama.runs_of(specs["layers"])]
+    layer_specs = [[spec] * len(run) for spec, run in zip(one, layers, strict=True)]
+    return {**params, "layers": layers}, {**specs, "layers": layer_specs}
+
+
+# --layer-weights auto: a CPU stage holds its layers apart from this many bytes of decoder-layer weights. The
+# copy out of the stack costs ~0.2 ms a MiB a step (24.4 ms for 112 MiB in a 30M Llama's decode step,
+# docs/benchmarks.md), compile time doubles whatever the size: below this, in the test suite's and the
+# bundled model's sizes (<= 3 MiB), compile time is what matters.
+PER_LAYER_MIN_BYTES = 16 << 20
+
+
+def holds_layers_apart(layer_weights: str, platform: str, layer_bytes: int) -> bool:
+    """--layer-weights: "per-layer" and "stacked" as named; "auto" holds them apart on CPU from
+    PER_LAYER_MIN_BYTES of decoder-layer weights."""
+    if layer_weights == "auto":
+        return platform == "cpu" and layer_bytes >= PER_LAYER_MIN_BYTES
+    return layer_weights == "per-layer"
+
+
 class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
                  layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn,
-                 max_num_seqs: int, max_num_tokens: int, kv_cache: KVCacheSettings | None = None) -> None:
+                 max_num_seqs: int, max_num_tokens: int, kv_cache: KVCacheSettings | None = None,
+                 layer_weights: str = "auto") -> None:
         """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`);
         `max_num_tokens`: the largest token bucket; `kv_cache`: the pages' dtype and scales (default:
-        the model's dtype)."""
+        the model's dtype); `layer_weights`: "per-layer" holds each decoder layer's weights apart and
+        runs the layers one after the other (`per_layer`), "stacked" scans them, "auto" picks
+        (`holds_layers_apart`)."""
         self.index = index
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
@@ -180,7 +210,12 @@ class Stage:
         self.config = config
         self.layers = layers
         tp = mesh.shape["tp"]
-        self.params = jax.device_put(params, named(mesh, param_specs(params, config, tp)))
+        specs = param_specs(params, config, tp)
+        layer_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params["layers"]))
+        self.per_layer_weights = holds_layers_apart(layer_weights, self.devices[0].platform, layer_bytes)
+        if self.per_layer_weights:
+            params, specs = per_layer(params, specs)
+        self.params = jax.device_put(params, named(mesh, specs))
         self.replicated = NamedSharding(mesh, REPLICATED)
         kv_sharding = NamedSharding(mesh, kv_spec(config, tp))
         self._kv_shardings = llama.KVCache(kv_sharding, kv_sharding, self.replicated, self.replicated)

@@ -70,7 +70,7 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1, config.model.quantization)
     stage = Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
                   select_attention(config.model.attention_backend), sizing.shape.max_num_seqs,
-                  sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers))
+                  sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers), config.model.layer_weights)
     weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
     kv_bytes = stage.kv.k.nbytes + stage.kv.v.nbytes
     model = sizing.spec.config
@@ -79,6 +79,9 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
     log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s%s)", index,
              weight_bytes / 2**20, _weight_dtypes(params), kv_bytes / 2**20, sizing.num_pages, sizing.kv_cache_dtype,
              latent)
+    if stage.per_layer_weights:  # runs its layers one after the other (--layer-weights; docs/benchmarks.md)
+        log.info("stage %d holds each layer's weights apart (--layer-weights %s): about twice the compile time, "
+                 "no copy out of a stack each step", index, config.model.layer_weights)
     return stage
 
 

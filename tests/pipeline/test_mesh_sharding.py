@@ -80,6 +80,28 @@ def test_megatron_specs_and_fallback_to_replicated():
     assert layer_spec(("self_attn", "q_proj", "kernel"), c, 1) == P()
 
 
+def test_per_layer_params_and_specs_drop_the_layer_axis():
+    """A CPU stage holds each layer's weights apart (--layer-weights): every run of an MoE model with a dense
+    layer unstacked, each leaf's spec the stacked one without the layer axis (experts still split)."""
+    from jaxcpp.models import llama
+    from jaxcpp.runtime.stage import PER_LAYER_MIN_BYTES, holds_layers_apart, per_layer
+
+    c = config(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               dense_layers=(1,), architecture="Qwen3MoeForCausalLM")
+    params = jax.tree_util.tree_map(np.asarray, llama.init_params(c, jax.random.key(0)))
+    layers, specs = per_layer(params, param_specs(params, c, 2))
+    assert [len(run) for run in layers["layers"]] == [1, 1, 1] and [len(run) for run in specs["layers"]] == [1, 1, 1]
+    q = layers["layers"][2][0]["self_attn"]["q_proj"]["kernel"]
+    np.testing.assert_array_equal(q, params["layers"][2]["self_attn"]["q_proj"]["kernel"][0])
+    assert specs["layers"][1][0]["self_attn"]["q_proj"]["kernel"] == P(None, "tp")
+    assert specs["layers"][1][0]["mlp"]["down_proj"]["kernel"] == P("tp", None)
+    assert specs["layers"][0][0]["mlp"]["experts"]["up_proj"]["kernel"] == P("tp")  # [E, D, I]: by expert
+    assert specs["layers"][0][0]["input_layernorm"]["scale"] == P() and specs["embed"] == P()
+    assert holds_layers_apart("auto", "cpu", PER_LAYER_MIN_BYTES) and not holds_layers_apart("auto", "gpu", 2**40)
+    assert not holds_layers_apart("auto", "cpu", PER_LAYER_MIN_BYTES - 1)  # the test suite's models: stacked
+    assert holds_layers_apart("per-layer", "gpu", 0) and not holds_layers_apart("stacked", "cpu", 2**40)
+
+
 @pytest.mark.parametrize("fmt", ["hf", "orbax"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_stage_params_split_embedding_head_and_layers(tied, fmt, tmp_path):
