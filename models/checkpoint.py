@@ -35,7 +35,8 @@ import numpy as np
 from jaxcpp.errors import ModelLoadError
 from jaxcpp.models.config import CONFIG_FILE, LlamaConfig
 from jaxcpp.models.fp8 import FP8_E4M3_MAX, FP8_WEIGHT_DTYPE, quantize_fp8_per_channel, read_hf_fp8_kernel
-from jaxcpp.models.llama import DecoderLayer, Params, init_attend, init_params, runs_of
+from jaxcpp.models.llama import DecoderLayer, Params, init_attend, init_params
+from jaxcpp.models.runs import runs_of
 from jaxcpp.models.safetensors_file import FP8_NP, SafetensorsFile, open_shards
 from jaxcpp.models.spec import BUNDLED_MODELS, ORBAX_PARAMS_DIR, ModelSpec, resolve_model_spec
 from jaxcpp.tokenizer import Tokenizer

@@ -43,6 +43,7 @@ from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.layers import INIT_STD, MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
 from jaxcpp.models.mla import DeepseekMoE, MLAttention, dense_attend, mla_attention_fn, paged_mla_attention
 from jaxcpp.models.moe import ExpertsFn, MoEBlock, grouped_experts
+from jaxcpp.models.runs import Run, is_moe_run, num_layers_of, run_length, runs_of
 
 __all__ = ["INIT_STD", "MLP", "RMSNorm", "apply_rope", "rope_inv_freq"]  # re-exported: their old home
 
@@ -135,34 +136,6 @@ class DecoderLayer(nn.Module):
         return hidden + (self.mlp(normed, experts_fn) if self.moe else self.mlp(normed)), aux
 
 
-# A run of alike layers is a stacked tree ({...: [L, ...]}, run under one `lax.scan`) or, as a CPU stage
-# holds it (`unstack_layers`), a list of one params tree per layer (run one after the other).
-Run = Params | list[Params]
-
-
-def is_moe_run(run: Run) -> bool:
-    """A run of layers is an MoE run when its "mlp" holds the experts."""
-    return "experts" in (run[0] if isinstance(run, list) else run)["mlp"]
-
-
-def runs_of(layer_params: Run | list[Run]) -> list[Run]:
-    """The runs of alike layers: a stacked tree is one run; a list holds runs."""
-    return layer_params if isinstance(layer_params, list) else [layer_params]
-
-
-def unstack_layers(layer_params: Run | list[Run]) -> list[list[Params]]:
-    """Stacked runs -> each run a list of one params tree per layer, each leaf an array of its own.
-
-    XLA:CPU copies a layer's weights out of the stacked arrays before it multiplies (the scan's dynamic
-    slice does not fuse into its dots); with the layers apart `run_layers` runs them one after the
-    other in the program and each dot reads its weights where they lie (measured: the copy was ~20% of
-    a 30M Llama's decode step at batch 16, docs/benchmarks.md#per-layer-weights-on-cpu), at the price
-    of a program that holds every layer's body (compile time grows with depth)."""
-    return [run if isinstance(run, list) else [jax.tree_util.tree_map(lambda x, i=i: x[i], run)
-                                               for i in range(run_length(run))]
-            for run in runs_of(layer_params)]
-
-
 # ------------------------------------------------------------------------------------- functional API
 
 
@@ -196,15 +169,6 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype: Any = jnp.float32) -
 
 def embed(params: Params, token_ids: jax.Array) -> jax.Array:  # [...] int32 -> [..., D]
     return jnp.take(params["embed"], token_ids, axis=0)
-
-
-def num_layers_of(layer_params: Run | list[Run]) -> int:
-    return sum(run_length(run) for run in runs_of(layer_params))
-
-
-def run_length(run: Run) -> int:
-    """The layers in one run (stacked: its leaves' leading axis; per layer: its entries)."""
-    return len(run) if isinstance(run, list) else int(jax.tree_util.tree_leaves(run)[0].shape[0])
 
 
 def dequantize_weights(layer_params: Params, dtype: Any) -> Params:

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcpp.core.step_input import Layout, StepShape, pack, padding_step
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
-from jaxcpp.models import llama
+from jaxcpp.models import llama, runs
 from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.moe import grouped_experts
 from jaxcpp.runtime.packing import unpack
@@ -168,11 +168,11 @@ def zero_mla_attention(q_nope: jax.Array, q_pe: jax.Array, latent_pages: jax.Arr
 
 def per_layer(params: llama.Params, specs: Any) -> tuple[llama.Params, Any]:
     """A stage's params and their PartitionSpecs with each run of stacked layers as one entry per layer
-    (`llama.unstack_layers`); each layer's specs lose the leading layer axis."""
-    layers = llama.unstack_layers(params["layers"])
+    (`runs.unstack_layers`); each layer's specs lose the leading layer axis."""
+    layers = runs.unstack_layers(params["layers"])
     drop_axis = lambda spec: P(*tuple(spec)[1:])  # noqa: E731
     one = [jax.tree_util.tree_map(drop_axis, run, is_leaf=lambda x: isinstance(x, P))
-           for run in llama.runs_of(specs["layers"])]
+           for run in runs.runs_of(specs["layers"])]
     layer_specs = [[spec] * len(run) for spec, run in zip(one, layers, strict=True)]
     return {**params, "layers": layers}, {**specs, "layers": layer_specs}
 

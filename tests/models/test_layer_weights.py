@@ -1,4 +1,4 @@
-"""Per-layer weights (what a CPU stage holds, `llama.unstack_layers`) against stacked ones (one scan a run):
+"""Per-layer weights (what a CPU stage holds, `runs.unstack_layers`) against stacked ones (one scan a run):
 the same logits (to 1e-6) and the same written pages (bitwise for a dense model; float32 rounding apart where
 unlike runs meet), for a dense Llama, a Qwen3-MoE model whose layers
 are two runs (a dense layer, then sparse ones) and a DeepSeek-V3 (MLA) model with a dense run and a
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from paged_metadata import build_metadata
 
-from jaxcpp.models import llama
+from jaxcpp.models import llama, runs
 from jaxcpp.models.config import ModelConfig
 
 PAGE, T, NUM_PAGES = 4, 32, 24
@@ -55,12 +55,12 @@ def test_per_layer_weights_equal_stacked(name):
     config = CONFIGS[name]
     params = llama.init_params(config, jax.random.key(0))
     params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
-    per_layer = {**params, "layers": llama.unstack_layers(params["layers"])}
-    runs = [len(run) for run in per_layer["layers"]]
-    assert runs == ([3] if name == "llama" else [1, 2])  # a dense layer, then two sparse ones
-    assert llama.num_layers_of(per_layer["layers"]) == 3
+    per_layer = {**params, "layers": runs.unstack_layers(params["layers"])}
+    lengths = [len(run) for run in per_layer["layers"]]
+    assert lengths == ([3] if name == "llama" else [1, 2])  # a dense layer, then two sparse ones
+    assert runs.num_layers_of(per_layer["layers"]) == 3
     if name != "llama":
-        assert [llama.is_moe_run(run) for run in per_layer["layers"]] == [False, True]
+        assert [runs.is_moe_run(run) for run in per_layer["layers"]] == [False, True]
     want, want_kv = steps(params, config)
     got, got_kv = steps(per_layer, config)
     assert np.abs(want).max() > 1.0
