@@ -11,12 +11,10 @@ group-limited router with the correction bias) and V3 without interleaving.
 
 import json
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from test_hf_parity import DIMS, hf_greedy, hf_logits, our_greedy
+from test_hf_parity import DIMS, assert_matches_transformers
 
-from jaxcpp.models import checkpoint, llama
+from jaxcpp.models import checkpoint
 from jaxcpp.models.config import ModelConfig
 
 torch = pytest.importorskip("torch")
@@ -61,13 +59,7 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     config, params = checkpoint.load_hf(tmp_path)
     assert config.is_mla and config.layer_runs() == [(False, 0, 1), (True, 1, 2)]
-    ids = np.random.default_rng(0).integers(0, DIMS["vocab_size"], (2, 24)).tolist()
-    ours = np.asarray(llama.forward_dense(params, jnp.asarray(ids, jnp.int32), config))
-    theirs = hf_logits(model, ids)
-    assert np.abs(theirs).max() > 1.0
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-    prompt = ids[0][:12]
-    assert our_greedy(params, config, prompt) == hf_greedy(model, prompt)
+    assert_matches_transformers(model, params, config)
 
 
 def test_v3_config_fields_and_mtp_skipped(tmp_path, caplog):

@@ -95,6 +95,18 @@ def our_greedy(params, config, prompt):
     return out
 
 
+def assert_matches_transformers(model, params, config) -> None:
+    """Logits of two random 24-token rows within 1e-4 of transformers' (and far from zero), and greedy
+    tokens through the paged path identical to its `generate`."""
+    ids = np.random.default_rng(0).integers(0, DIMS["vocab_size"], (2, 24)).tolist()
+    ours = np.asarray(llama.forward_dense(params, jnp.asarray(ids, jnp.int32), config))
+    theirs = hf_logits(model, ids)
+    assert np.abs(theirs).max() > 1.0  # not a degenerate near-zero comparison
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    prompt = ids[0][:PROMPT_LEN]
+    assert our_greedy(params, config, prompt) == hf_greedy(model, prompt)
+
+
 @pytest.mark.parity
 @needs_torch
 @pytest.mark.parametrize("case", list(CASES))
@@ -106,15 +118,7 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
     assert config.model_type == model_type
     assert config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     assert ("lm_head" in params) != config.tie_word_embeddings
-
-    ids = np.random.default_rng(0).integers(0, DIMS["vocab_size"], (2, 24)).tolist()
-    ours = np.asarray(llama.forward_dense(params, jnp.asarray(ids, jnp.int32), config))
-    theirs = hf_logits(model, ids)
-    assert np.abs(theirs).max() > 1.0  # not a degenerate near-zero comparison
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-
-    prompt = ids[0][:PROMPT_LEN]
-    assert our_greedy(params, config, prompt) == hf_greedy(model, prompt)
+    assert_matches_transformers(model, params, config)
 
 
 @pytest.mark.parity

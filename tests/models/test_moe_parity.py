@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hf_parity import DIMS, hf_greedy, hf_logits, needs_torch, our_greedy, random_hf_model, torch, transformers
+from test_hf_parity import DIMS, assert_matches_transformers, needs_torch, random_hf_model, torch, transformers
 
-from jaxcpp.models import checkpoint, llama
+from jaxcpp.models import checkpoint
 from jaxcpp.models.moe import dense_experts, grouped_experts, ragged_dot_mlp, route, tiled_grouped_mlp
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
@@ -41,14 +41,7 @@ def test_logits_and_greedy_match_transformers(case, tmp_path):
     assert config.model_type == model_type
     if case == "qwen3-moe-mixed":
         assert config.layer_runs() == [(False, 0, 1), (True, 1, 2)] and isinstance(params["layers"], list)
-
-    ids = np.random.default_rng(0).integers(0, DIMS["vocab_size"], (2, 24)).tolist()
-    ours = np.asarray(llama.forward_dense(params, jnp.asarray(ids, jnp.int32), config))
-    theirs = hf_logits(model, ids)
-    assert np.abs(theirs).max() > 1.0
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
-    prompt = ids[0][:12]
-    assert our_greedy(params, config, prompt) == hf_greedy(model, prompt)
+    assert_matches_transformers(model, params, config)
 
 
 @pytest.mark.parity
