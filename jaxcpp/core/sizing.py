@@ -108,6 +108,11 @@ class EngineSizing:
         if max_model_len > model.max_position_embeddings:
             raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
                               f"{model.max_position_embeddings}")
+        if config.kv_transfer.settings() is not None and getattr(model, "kv_lora_rank", 0):
+            # the transfer's page shapes are K's and V's ([..., KV heads, head dim] each); a latent page
+            # has one row and no V
+            raise ConfigError("--kv-transfer-config: disaggregated serving does not move MLA latent pages yet "
+                              f"({model.architecture}); serve this model colocated")
         p = config.parallel
         layers = stage_layers(model.num_hidden_layers, p.pipeline_parallel_size,
                               p.partition_list() if p.pp_partition is not None else None)

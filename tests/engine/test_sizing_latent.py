@@ -21,6 +21,7 @@ class LatentConfig:
     qk_rope_head_dim: int = 64
     max_position_embeddings: int = 4096
     dtype: str = "bfloat16"
+    architecture: str = "DeepseekV3ForCausalLM"
 
 
 def test_latent_page_holds_one_row_of_rank_plus_rope_a_token_a_layer():
@@ -45,3 +46,12 @@ def test_engine_sizing_plans_latent_pages():
     assert pages_in_memory(per_head, 4, 16, "bfloat16", 1.0) == 170  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
         EngineSizing.plan(config, dataclasses.replace(spec, config=per_head))  # type: ignore[arg-type]
+
+
+def test_disaggregating_an_mla_model_is_refused_naming_the_flag():
+    """KV transfer moves K and V pages; a latent page (one row, no V) would not cross: refused at start-up."""
+    spec = dataclasses.replace(resolve_model_spec("tiny", "float32"), config=LatentConfig())
+    config = EngineConfig.from_kwargs(model="tiny", max_model_len=4096, kv_cache_memory_gb=1.0,
+                                      kv_transfer_config='{"kv_role": "kv_producer"}')
+    with pytest.raises(ConfigError, match="--kv-transfer-config: .*MLA latent pages"):
+        EngineSizing.plan(config, spec)  # type: ignore[arg-type]
