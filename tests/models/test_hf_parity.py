@@ -95,6 +95,16 @@ def our_greedy(params, config, prompt):
     return out
 
 
+def saved_and_loaded(model_type, overrides, folder):
+    """A random transformers model saved with `save_pretrained` (as the hub's checkpoints are), and the
+    config and params our loader reads back from the folder."""
+    model = random_hf_model(model_type, overrides)
+    model.save_pretrained(folder, safe_serialization=True)
+    config, params = checkpoint.load_hf(folder)
+    assert config.model_type == model_type
+    return model, config, params
+
+
 def assert_matches_transformers(model, params, config) -> None:
     """Logits of two random 24-token rows within 1e-4 of transformers' (and far from zero), and greedy
     tokens through the paged path identical to its `generate`."""
@@ -112,10 +122,7 @@ def assert_matches_transformers(model, params, config) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
-    model = random_hf_model(model_type, overrides)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    config, params = checkpoint.load_hf(tmp_path)
-    assert config.model_type == model_type
+    model, config, params = saved_and_loaded(model_type, overrides, tmp_path)
     assert config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     assert ("lm_head" in params) != config.tie_word_embeddings
     assert_matches_transformers(model, params, config)

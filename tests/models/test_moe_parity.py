@@ -10,7 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_hf_parity import DIMS, assert_matches_transformers, needs_torch, random_hf_model, torch, transformers
+from test_hf_parity import (
+    DIMS,
+    assert_matches_transformers,
+    needs_torch,
+    random_hf_model,
+    saved_and_loaded,
+    torch,
+    transformers,
+)
 
 from jaxcpp.models import checkpoint
 from jaxcpp.models.moe import dense_experts, grouped_experts, ragged_dot_mlp, route, tiled_grouped_mlp
@@ -35,10 +43,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
-    model = random_hf_model(model_type, overrides)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    config, params = checkpoint.load_hf(tmp_path)
-    assert config.model_type == model_type
+    model, config, params = saved_and_loaded(model_type, overrides, tmp_path)
     if case == "qwen3-moe-mixed":
         assert config.layer_runs() == [(False, 0, 1), (True, 1, 2)] and isinstance(params["layers"], list)
     assert_matches_transformers(model, params, config)
