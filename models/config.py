@@ -109,6 +109,12 @@ class ModelConfig:
             _check(self.head_dim == self.qk_rope_head_dim, "head_dim", "must equal qk_rope_head_dim for MLA")
 
     @property
+    def shared_expert_width(self) -> int:
+        """The SwiGLU width of the shared expert(s) every token runs beside the routed ones (0: none):
+        DeepSeek's n_shared_experts × moe_intermediate_size, Qwen2-MoE's shared_expert_intermediate_size."""
+        return self.moe_intermediate_size * self.n_shared_experts or self.shared_expert_intermediate_size
+
+    @property
     def is_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2/V3): a latent KV cache, models/mla.py's attention."""
         return self.kv_lora_rank > 0
@@ -162,9 +168,8 @@ class ModelConfig:
             attention = self._mla_param_count()
         dense = 3 * d * self.intermediate_size
         expert = 3 * d * self.moe_intermediate_size
-        shared = expert * self.n_shared_experts + (self.num_experts if self.router == "sigmoid" else 0)
-        if self.shared_expert_intermediate_size:  # Qwen2-MoE: the gated shared expert and its gate
-            shared += 3 * d * self.shared_expert_intermediate_size + d
+        shared = (3 * d * self.shared_expert_width + (d if self.shared_expert_intermediate_size else 0)  # Qwen2's gate
+                  + (self.num_experts if self.router == "sigmoid" else 0))  # V3's selection bias
         total = active = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
         for layer in range(self.num_hidden_layers):
             if self.is_moe_layer(layer):

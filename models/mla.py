@@ -263,6 +263,5 @@ class DeepseekMoE(nn.Module):
         out = experts_fn(flat, ids, weights, *Experts(c, self.param_dtype, name="experts")())
         out = out.astype(x.dtype).reshape(x.shape)
         if c.n_shared_experts:
-            out = out + MLP(c, self.param_dtype, c.moe_intermediate_size * c.n_shared_experts,
-                            name="shared_experts")(x)
+            out = out + MLP(c, self.param_dtype, c.shared_expert_width, name="shared_experts")(x)
         return out

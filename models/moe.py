@@ -174,7 +174,7 @@ class MoEBlock(nn.Module):
         weights, ids = route(flat, router, c.num_experts_per_tok, c.norm_topk_prob)
         out = experts_fn(flat, ids, weights, *Experts(c, self.param_dtype, name="experts")())
         if c.shared_expert_intermediate_size:  # every token also runs the shared expert, scaled by its gate
-            shared = MLP(c, self.param_dtype, c.shared_expert_intermediate_size, name="shared_expert")(flat)
+            shared = MLP(c, self.param_dtype, c.shared_expert_width, name="shared_expert")(flat)
             gate = Kernel((c.hidden_size, 1), self.param_dtype, name="shared_expert_gate")()
             out = out + (jax.nn.sigmoid(flat @ gate) * shared).astype(out.dtype)
         return out.astype(x.dtype).reshape(x.shape)

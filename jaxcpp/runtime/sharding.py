@@ -60,11 +60,9 @@ def layer_spec(path: tuple[str, ...], config: LlamaConfig, tp: int) -> P:
     if "experts" in modules:  # kernel [L, E, in, out], kernel_scale [L, E, out]: split by expert
         return P(None, "tp") if experts_sharded(config, tp) else REPLICATED
     name = modules[-1] if modules else ""
-    width = config.intermediate_size  # shared experts have their own width
-    if "shared_experts" in modules:  # DeepSeek's
-        width = config.moe_intermediate_size * config.n_shared_experts
-    if "shared_expert" in modules:  # Qwen2-MoE's (its gate, [D, 1], stays replicated)
-        width = config.shared_expert_intermediate_size
+    width = config.intermediate_size
+    if {"shared_experts", "shared_expert"} & set(modules):  # DeepSeek's, Qwen2-MoE's (whose [D, 1] gate
+        width = config.shared_expert_width                   # stays replicated): their own width
     column = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads,
               "v_proj": config.num_key_value_heads, "gate_proj": width, "up_proj": width}
     row = {"o_proj": config.num_attention_heads, "down_proj": width}
