@@ -12,6 +12,7 @@ from paged_metadata import build_metadata
 
 from jaxcpp.models import llama, runs
 from jaxcpp.models.config import ModelConfig
+from tests.pipeline.conftest import random_params
 
 PAGE, T, NUM_PAGES = 4, 32, 24
 BASE = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128)
@@ -53,8 +54,7 @@ def steps(params, config):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_per_layer_weights_equal_stacked(name):
     config = CONFIGS[name]
-    params = llama.init_params(config, jax.random.key(0))
-    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
+    params = random_params(config, 0)
     per_layer = {**params, "layers": runs.unstack_layers(params["layers"])}
     lengths = [len(run) for run in per_layer["layers"]]
     assert lengths == ([3] if name == "llama" else [1, 2])  # a dense layer, then two sparse ones

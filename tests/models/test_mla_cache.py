@@ -11,6 +11,7 @@ from paged_metadata import build_metadata
 from jaxcpp.core.sizing import kv_values_per_token
 from jaxcpp.models import llama
 from jaxcpp.models.config import ModelConfig
+from tests.pipeline.conftest import random_params
 
 PAGE, T = 4, 32
 CONFIG = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
@@ -41,8 +42,7 @@ def paged_logits(params, ids, kv, calculate_kv_scales=False):
 
 
 def test_paged_latent_path_equals_dense_and_holds_latent_rows():
-    params = llama.init_params(CONFIG, jax.random.key(0))
-    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
+    params = random_params(CONFIG, 0)
     ids = [int(t) for t in np.random.default_rng(0).integers(0, 96, 21)]
     kv = llama.make_kv_cache(CONFIG, 2, 16, PAGE)
     assert kv.k.shape == (2, 16, PAGE, 1, 24 + 8) and kv.v.size == 0

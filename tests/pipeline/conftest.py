@@ -14,23 +14,28 @@ import os
 import pytest
 
 
+def random_params(config, seed: int):
+    """`config`'s random params with every weight scaled x3, so greedy choices are not near-ties that
+    float32 summation order could flip."""
+    import jax
+
+    from jaxcpp.models.llama import init_params
+
+    return jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, init_params(config, jax.random.key(seed)))
+
+
 def write_random_model(folder, *, num_layers: int = 6, num_kv_heads: int = 2, tied: bool = False,
                        hidden_size: int = 64, intermediate_size: int = 128, num_heads: int = 4,
                        max_position_embeddings: int = 512) -> str:
-    import jax
-
     from jaxcpp.models.checkpoint import save_hf
     from jaxcpp.models.config import LlamaConfig
-    from jaxcpp.models.llama import init_params
 
     config = LlamaConfig(vocab_size=128, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
                          max_position_embeddings=max_position_embeddings, tie_word_embeddings=tied, eos_token_ids=(1,),
                          bos_token_id=0)
-    params = init_params(config, jax.random.key(7))
-    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
-    save_hf(folder, params, config)
+    save_hf(folder, random_params(config, 7), config)
     return str(folder)
 
 

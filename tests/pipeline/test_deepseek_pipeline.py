@@ -15,6 +15,7 @@ import pytest
 
 from jaxcpp import SamplingParams
 from jaxcpp.runtime.compile_guard import forbid_compile
+from tests.pipeline.conftest import random_params
 from tests.pipeline.test_pipeline_exactness import run
 
 pytestmark = pytest.mark.slow
@@ -46,11 +47,9 @@ def write_random_deepseek(folder) -> str:
     import jax
 
     from jaxcpp.models.checkpoint import save_hf
-    from jaxcpp.models.llama import init_params
 
     config = deepseek_config()
-    params = init_params(config, jax.random.key(5))
-    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
+    params = random_params(config, 5)
     moe = params["layers"][1]["mlp"]["gate"]
     moe["e_score_correction_bias"] = jax.random.normal(jax.random.key(6), moe["e_score_correction_bias"].shape) * 0.5
     save_hf(folder, params, config)

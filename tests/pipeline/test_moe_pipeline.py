@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxcpp.runtime.compile_guard import forbid_compile
+from tests.pipeline.conftest import random_params
 from tests.pipeline.test_pipeline_exactness import run
 
 pytestmark = pytest.mark.slow
@@ -32,11 +33,8 @@ def assert_same(outs, refs, atol=1e-5):
 
 
 def write_random_moe(folder, architecture: str) -> str:
-    import jax
-
     from jaxcpp.models.checkpoint import save_hf
     from jaxcpp.models.config import ModelConfig
-    from jaxcpp.models.llama import init_params
 
     qwen3, qwen2 = architecture == "Qwen3MoeForCausalLM", architecture == "Qwen2MoeForCausalLM"
     config = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -45,9 +43,7 @@ def write_random_moe(folder, architecture: str) -> str:
                          attention_bias=qwen2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                          norm_topk_prob=True, dense_layers=(1,) if qwen3 or qwen2 else (),
                          shared_expert_intermediate_size=40 if qwen2 else 0)
-    params = init_params(config, jax.random.key(11))
-    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
-    save_hf(folder, params, config)
+    save_hf(folder, random_params(config, 11), config)
     return str(folder)
 
 
