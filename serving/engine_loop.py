@@ -97,7 +97,7 @@ class EngineLoop:
         """Why requests cannot be served now though the engine runs (a kv_consumer none of whose producers is
         ready: `RemotePrefill.unready_reason`), or None."""
         remote = getattr(self.engine, "remote", None)
-        return remote.unready_reason() if remote is not None and hasattr(remote, "unready_reason") else None
+        return remote.unready_reason() if remote is not None else None
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn()` on the engine thread before the next step; its result or error lands in the future."""
