@@ -83,9 +83,12 @@ class OutputStream:
 
     `sink()` is what the engine thread calls (it posts to the loop). Past `limit` queued outputs per
     engine request (each sample of each prompt: a call of 1,000 prompts or n = 64 gets 1,000 or 64
-    times the room, as its outputs come that many at a time) the client is not reading: the stream
-    stalls and `on_stalled` aborts its requests. What a stalled reader holds is so bounded by the
-    work its call asked for, which the engine holds anyway (each request's tokens)."""
+    times the room, as its outputs come that many at a time) while the call's reader is busy sending,
+    the client is not reading: the stream stalls and `on_stalled` aborts its requests. While the reader
+    waits in `next()` the queue is the loop's lag, not the client's: outputs posted while the loop ran
+    something else arrive together (a wide call's reader on a busy loop met hundreds at once), so
+    that is never a stall. What a stalled reader holds is so bounded by the work its call asked for,
+    which the engine holds anyway (each request's tokens)."""
 
     def __init__(self, request_id: str, limit: int, on_stalled: Callable[[OutputStream], None],
                  context: Any = None) -> None:
@@ -94,6 +97,7 @@ class OutputStream:
         self.context = context                  # the front end's handle on the call
         self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.stalled = False
+        self.waiting = False                    # the reader is in next(): whatever is queued, it reads
         self.max_backlog = 0
         self.end_task: asyncio.Future[None] | None = None
         self.handler_task = asyncio.current_task()  # created inside the handler
@@ -112,9 +116,17 @@ class OutputStream:
             return
         self.outputs.put_nowait(out)
         self.max_backlog = max(self.max_backlog, self.outputs.qsize())
-        if self.outputs.qsize() > self.limit:
+        if self.outputs.qsize() > self.limit and not self.waiting:
             self.stalled = True
             self._on_stalled(self)
+
+    async def next(self) -> RequestOutput | BaseException:
+        """The next output (or what ended the stream), as the call's reader takes it."""
+        self.waiting = True
+        try:
+            return await self.outputs.get()
+        finally:
+            self.waiting = False
 
     @property
     def limit(self) -> int:
@@ -211,7 +223,7 @@ class Admission:
         abort = self._engine.abort
         by_id = {rid: (i, state) for i, state in enumerate(states) for rid, _ in state.engine_requests}
         while not all(state.finished for state in states):
-            out = await stream.outputs.get()
+            out = await stream.next()
             if isinstance(out, Refused):  # put there by `_stalled`
                 raise out
             if isinstance(out, BaseException):

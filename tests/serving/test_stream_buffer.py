@@ -5,12 +5,14 @@ real engine on the fake executor."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 
 import openai
 
+from jaxcpp.serving.admission import OutputStream
 from tests.serving.conftest import wait_until
 from tests.serving.fakes import fake_engine
 
@@ -57,3 +59,27 @@ def test_a_stalled_reader_of_a_wide_stream_is_still_cut_off(serve) -> None:
     print(f"stalled reader cut off after {time.monotonic() - start:.1f}s, "
           f"{stats.num_generation_tokens_total} tokens generated")
     sock.close()
+
+
+def test_outputs_that_arrive_together_while_the_reader_waits_are_not_a_stall() -> None:
+    # CI: a wide call's reader waiting in next() met 513 outputs at once on a busy 2-core loop (the
+    # engine posted 8 steps of 64 while the loop ran other work) and was cut off although it was reading
+    async def run() -> tuple[list[int], list[str]]:
+        stalls: list[str] = []
+        stream = OutputStream("call", 2, lambda s: stalls.append("stalled"))
+        stream.engine_request_ids = ["a", "b"]  # limit 2 per sample: 4
+        reader = asyncio.ensure_future(stream.next())
+        await asyncio.sleep(0)  # the reader waits
+        for i in range(10):  # one loop turn's outputs, over the limit
+            stream.deliver(i)  # type: ignore[arg-type]
+        assert not stalls and not stream.stalled
+        taken = [await reader] + [await stream.next() for _ in range(9)]
+        for i in range(5):  # the reader busy sending (not in next()): the 5th queued output is a stall
+            stream.deliver(i)  # type: ignore[arg-type]
+            assert stream.stalled == (i == 4)
+        stream.deliver(99)  # type: ignore[arg-type]  # after the stall: dropped
+        return taken, stalls + [str(stream.outputs.qsize())]
+
+    taken, stalls = asyncio.run(run())
+    assert taken == list(range(10))
+    assert stalls == ["stalled", "5"]
