@@ -13,6 +13,10 @@ model never learns which one it got, and each is safe to call inside `jax.jit`.
   ROCm only changes the launch defaults (`ROCM_LAUNCH`: fewer warps, as a wavefront is 64 wide).
   Off a GPU it runs in interpret mode, so the engine's tests can exercise it on CPU.
 - "auto": "pallas" when `jax.default_backend() == "gpu"`, else "xla".
+
+An MLA model (DeepSeek) attends over latent pages: `select_mla_absorbed` picks its absorbed form the same
+way (`mla_absorbed_attention`, the Pallas kernel, or `mla_absorbed_xla`); its rebuilt prefill form is
+the XLA path on every backend (`kernels/mla_attention.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import functools
 import jax
 
 from jaxcpp.kernels.metadata import AttentionFn
+from jaxcpp.kernels.mla_attention import AbsorbedFn, mla_absorbed_attention, mla_absorbed_xla
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
@@ -59,3 +64,12 @@ def select_attention(backend: str, *, interpret: bool | None = None) -> Attentio
     interpret = (not on_gpu) if interpret is None else interpret
     launch = ROCM_LAUNCH if on_gpu and not interpret and is_rocm() else {}
     return functools.partial(ragged_paged_attention, interpret=interpret, **launch)
+
+
+def select_mla_absorbed(backend: str, *, interpret: bool | None = None) -> AbsorbedFn:
+    """The absorbed MLA op for `--attention-backend` (`select_attention`'s rule; one launch for CUDA and
+    ROCm: its defaults were sized for Triton's register budget, not tuned per vendor)."""
+    if resolve_backend(backend) == "xla":
+        return mla_absorbed_xla
+    interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
+    return functools.partial(mla_absorbed_attention, interpret=interpret)

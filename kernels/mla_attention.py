@@ -38,6 +38,7 @@ multiple of dr, as in every released MLA model: 512 / 64).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -60,6 +61,9 @@ from jaxcpp.kernels.ragged_paged_attention import (
 )
 
 Array = jax.Array
+# (q_latent [T, H, r], q_rope [T, H, dr], latent_pages, md, latent_scale, *, sm_scale) -> [T, H, r]:
+# `mla_absorbed_xla`, or the Pallas kernel (`mla_absorbed_attention`; kernels.backend.select_mla_absorbed)
+AbsorbedFn = Callable[..., Array]
 DEFAULT_REBUILD_BLOCK_Q = 64  # query tokens per block of the rebuilt form
 DEFAULT_REBUILD_KV_BLOCK_TOKENS = 128  # KV positions rebuilt / visited per inner step
 
@@ -252,12 +256,14 @@ def mla_attention_xla(
     *,
     sm_scale: float,
     rebuild_prefill: bool,
+    absorbed: AbsorbedFn = mla_absorbed_xla,
 ) -> jax.Array:  # [T, H, dv]
-    """One step's MLA on the XLA path: decodes absorbed; prefill chunks absorbed, or rebuilt when
-    `rebuild_prefill` (the host's choice, `jaxcpp.chunking.mla_cost.prefer_rebuild`, made per step)."""
+    """One step's MLA: decodes absorbed (`absorbed`: the XLA path or the Pallas kernel); prefill chunks
+    absorbed, or rebuilt on the XLA path when `rebuild_prefill` (the host's choice,
+    `jaxcpp.chunking.mla_cost.prefer_rebuild`, made per step)."""
     absorbed_md = md._replace(num_seqs=md.num_decodes) if rebuild_prefill else md  # the rest: padding, 0
-    latent = mla_absorbed_xla(absorb_queries(q_nope, w_uk), q_rope, latent_pages, absorbed_md, latent_scale,
-                              sm_scale=sm_scale)
+    latent = absorbed(absorb_queries(q_nope, w_uk), q_rope, latent_pages, absorbed_md, latent_scale,
+                      sm_scale=sm_scale)
     out = project_values(latent, w_uv)
     if rebuild_prefill:
         out = out + mla_prefill_rebuilt_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale,
@@ -291,12 +297,13 @@ def mla_attention_auto(
     *,
     sm_scale: float,
     flops: tuple[float, float, float],  # (W, absorbed pair, rebuilt pair): jaxcpp.chunking.mla_cost.MlaShape's
+    absorbed: AbsorbedFn = mla_absorbed_xla,
 ) -> jax.Array:  # [T, H, dv]
     """A step's MLA with the form of its prefill chunks chosen per step by FLOPs (`rebuild_is_cheaper`):
     both forms are compiled into the one program, a `lax.cond` runs one."""
     def run(rebuild: bool) -> Any:
         return lambda: mla_attention_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale,
-                                         sm_scale=sm_scale, rebuild_prefill=rebuild)
+                                         sm_scale=sm_scale, rebuild_prefill=rebuild, absorbed=absorbed)
 
     return lax.cond(rebuild_is_cheaper(md, *flops), run(True), run(False))
 

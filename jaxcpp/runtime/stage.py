@@ -230,9 +230,8 @@ class Stage:
         self.kv: llama.KVCache = jax.jit(make, out_shardings=self._kv_shardings)()  # zeros, born sharded
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._experts_fn = shard_experts(grouped_experts, mesh, config)  # expert-parallel over "tp"
-        # an MLA model attends over latent pages (llama.default_attention: the XLA path on every backend)
-        self._program = self._jit(llama.default_attention(config) if config.is_mla
-                                  else shard_attention(attention_fn, mesh, config))
+        # an MLA model's op (stage_ops.model_attention) attends over latent pages, replicated over "tp"
+        self._program = self._jit(attention_fn if config.is_mla else shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         # in_shardings: a grammar mask comes from the host with the call (a device_put of its own cost the
         # late draw ~0.07 ms of host time a step: docs/benchmarks.md, structured outputs)

@@ -27,8 +27,11 @@ from jaxcpp.config import EngineConfig, KVSettings
 from jaxcpp.core.kv_transfer import page_buckets
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.step_input import StepShape
-from jaxcpp.kernels.backend import select_attention
+from jaxcpp.kernels.backend import select_attention, select_mla_absorbed
+from jaxcpp.kernels.metadata import AttentionFn
 from jaxcpp.models.checkpoint import load_kv_scales, load_stage_params
+from jaxcpp.models.config import ModelConfig
+from jaxcpp.models.mla import mla_attention_fn
 from jaxcpp.runtime.stage import KVCacheSettings, Stage, StageInput
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
     enable_compilation_cache()
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1, config.model.quantization)
     stage = Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                  select_attention(config.model.attention_backend), sizing.shape.max_num_seqs,
+                  model_attention(sizing.spec.config, config.model.attention_backend), sizing.shape.max_num_seqs,
                   sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers), config.model.layer_weights)
     weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
     kv_bytes = stage.kv.k.nbytes + stage.kv.v.nbytes
@@ -83,6 +86,14 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
         log.info("stage %d holds each layer's weights apart (--layer-weights %s): about twice the compile time, "
                  "no copy out of a stack each step", index, config.model.layer_weights)
     return stage
+
+
+def model_attention(model: ModelConfig, backend: str) -> AttentionFn:
+    """`--attention-backend`'s op for the model's pages: ragged paged attention, or for an MLA model
+    attention over latent pages with the backend's absorbed form (the Pallas kernel on a GPU)."""
+    if model.is_mla:
+        return mla_attention_fn(model, select_mla_absorbed(backend))
+    return select_attention(backend)
 
 
 def kv_cache_settings(config: EngineConfig, sizing: EngineSizing, layers: tuple[int, int]) -> KVCacheSettings:

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 from jaxcpp.kernels import backend
+from jaxcpp.kernels.mla_attention import mla_absorbed_attention, mla_absorbed_xla
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
@@ -22,6 +23,17 @@ ON_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the c
 def test_auto_and_xla_pick_the_xla_path_on_cpu():
     assert backend.select_attention("auto") is ragged_paged_attention_xla
     assert backend.select_attention("xla") is ragged_paged_attention_xla
+
+
+@ON_CPU
+def test_mla_absorbed_form_follows_the_same_rule():
+    assert backend.select_mla_absorbed("auto") is mla_absorbed_xla
+    assert backend.select_mla_absorbed("xla") is mla_absorbed_xla
+    fn = backend.select_mla_absorbed("pallas")
+    assert isinstance(fn, functools.partial) and fn.func is mla_absorbed_attention
+    assert fn.keywords == {"interpret": True}
+    with pytest.raises(ValueError, match="--attention-backend"):
+        backend.select_mla_absorbed("triton")
 
 
 @ON_CPU
@@ -51,3 +63,5 @@ def test_gpu_selects_compiled_pallas_with_vendor_launch(monkeypatch, platform, p
     fn = backend.select_attention("auto")
     assert fn.func is ragged_paged_attention
     assert fn.keywords == {"interpret": False, **(ROCM_LAUNCH if rocm else {})}
+    mla = backend.select_mla_absorbed("auto")
+    assert mla.func is mla_absorbed_attention and mla.keywords == {"interpret": False}

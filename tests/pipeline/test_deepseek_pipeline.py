@@ -83,6 +83,19 @@ def test_layouts_match_single_device_unchunked(pp_llm, deepseek_model, reference
     assert_same(outs, reference, 1e-4 if tp > 1 else 1e-5)  # TP: psums reorder float32 sums (as MoE tests)
 
 
+def test_pallas_absorbed_kernel_in_the_stages(pp_llm, deepseek_model, reference, monkeypatch):
+    """--attention-backend pallas: the stages' absorbed form is the Pallas kernel (interpreted off a GPU),
+    decodes and absorbed prefill chunks alike; PP 2 gives the XLA path's tokens."""
+    from jaxcpp.kernels import mla_attention
+
+    traced = []
+    kernel = mla_attention._kernel
+    monkeypatch.setattr(mla_attention, "_kernel", lambda *a, **k: traced.append(1) or kernel(*a, **k))
+    llm = pp_llm(model=deepseek_model, attention_backend="pallas", pipeline_parallel_size=2)
+    assert traced  # the stages' programs hold the kernel
+    assert_same(run(llm), reference, 1e-4)  # another order of float32 sums
+
+
 def test_stage_processes_match_in_process(make_pp_llm, deepseek_model, reference):
     llm = make_pp_llm(model=deepseek_model, pipeline_parallel_size=2, distributed_executor_backend="mp")
     try:
