@@ -141,11 +141,12 @@ def test_a_mismatched_layout_is_refused_naming_the_field(model, producer, tmp_pa
 
 def test_fp8_latent_pages_cross_from_an_in_process_producer(model):
     """float8 latent rows (the per-layer scale is the checkpoint's on both sides: only pages cross), from a
-    producer whose two stages share one process: tokens equal a colocated fp8 engine's, one byte a value."""
+    producer whose two stages share one process, into a TP 2 consumer (the latent pages replicated on both
+    devices, as a consumer's PP 1 x TP N holds them): tokens equal a colocated fp8 engine's, one byte a value."""
     fp8: dict[str, Any] = dict(kv_cache_dtype="fp8")
     producer = ServerThread(LLM(model=model, **ENGINE_DEFAULTS, **fp8, pipeline_parallel_size=2,
                                 kv_transfer_config=PRODUCER).engine, ServerConfig(port=0, http_port=0)).start()
-    consumer = consumer_server(model, f"127.0.0.1:{producer.port}", **fp8)
+    consumer = consumer_server(model, f"127.0.0.1:{producer.port}", **fp8, tensor_parallel_size=2)
     try:
         want = colocated_tokens(LLM(model=model, **ENGINE_DEFAULTS, **fp8), PROMPTS)
         offers = pulls(consumer)
