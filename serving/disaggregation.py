@@ -18,6 +18,7 @@ differs from the consumer's is refused at its first contact, with both sides nam
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -62,13 +63,12 @@ def connect_producers(engine: Any, api_key: str | None) -> GrpcRemotePrefill | N
 
 # ---- the protocol's messages -------------------------------------------------------------------
 def layout_to_proto(layout: KVLayout) -> pb.KvLayout:
-    return pb.KvLayout(model=layout.model, num_layers=layout.num_layers, page_size=layout.page_size,
-                       kv_cache_dtype=layout.kv_cache_dtype, num_kv_heads=layout.num_kv_heads,
-                       head_dim=layout.head_dim)
+    return pb.KvLayout(**dataclasses.asdict(layout))
 
 
 def layout_from_proto(msg: pb.KvLayout) -> KVLayout:
-    return KVLayout(msg.model, msg.num_layers, msg.page_size, msg.kv_cache_dtype, msg.num_kv_heads, msg.head_dim)
+    """A peer's layout; one from before the latent fields reads 0 for them: an MHA layout, as it was."""
+    return KVLayout(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(KVLayout)})
 
 
 def offer_to_proto(offer: KVOffer) -> pb.KvOffer:

@@ -32,7 +32,9 @@ from jaxcpp.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What one KV page holds: a producer and a consumer must agree on every field."""
+    """What one KV page holds: a producer and a consumer must agree on every field. A latent (MLA) page
+    holds one shared "head" of kv_lora_rank + qk_rope_head_dim values a token a layer, and no V; an MHA
+    page K and V of num_kv_heads heads of head_dim, and 0 for the latent fields."""
 
     model: str
     num_layers: int
@@ -40,6 +42,8 @@ class KVLayout:
     kv_cache_dtype: str
     num_kv_heads: int
     head_dim: int
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def mismatch(self, other: KVLayout, me: str, them: str) -> str | None:
         """None when the two agree, else a message naming every field that differs, and both sides."""
@@ -68,7 +72,8 @@ class KVSource:
 @dataclass(frozen=True)
 class KVOffer:
     """Where a request's pages wait: per stage, one [num_pages_padded, page_size, kv heads, head dim] array
-    per layer, K then V, under the request's transfer id."""
+    per layer, K of its layers then V, under the request's transfer id; for a latent (MLA) cache one
+    [num_pages_padded, page_size, 1, kv_lora_rank + qk_rope_head_dim] array per layer, nothing else."""
 
     sources: tuple[KVSource, ...]
     num_pages: int

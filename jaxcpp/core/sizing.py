@@ -80,6 +80,11 @@ class EngineSizing:
     def kv_layout(self) -> KVLayout:
         """What each KV page holds, which a disaggregated producer and consumer must agree on."""
         m = self.spec.config
+        rank = int(getattr(m, "kv_lora_rank", 0) or 0)
+        if rank:  # one latent row a token a layer: one shared head of rank + rope values (make_kv_cache)
+            rope = int(m.qk_rope_head_dim)
+            return KVLayout(self.spec.name, m.num_hidden_layers, self.page_size, self.kv_cache_dtype, 1,
+                            rank + rope, rank, rope)
         return KVLayout(self.spec.name, m.num_hidden_layers, self.page_size, self.kv_cache_dtype,
                         m.num_key_value_heads, m.head_dim)
 
@@ -108,11 +113,6 @@ class EngineSizing:
         if max_model_len > model.max_position_embeddings:
             raise ConfigError(f"--max-model-len: {max_model_len} exceeds the model's max_position_embeddings "
                               f"{model.max_position_embeddings}")
-        if config.kv_transfer.settings() is not None and getattr(model, "kv_lora_rank", 0):
-            # the transfer's page shapes are K's and V's ([..., KV heads, head dim] each); a latent page
-            # has one row and no V
-            raise ConfigError("--kv-transfer-config: disaggregated serving does not move MLA latent pages yet "
-                              f"({model.architecture}); serve this model colocated")
         p = config.parallel
         layers = stage_layers(model.num_hidden_layers, p.pipeline_parallel_size,
                               p.partition_list() if p.pp_partition is not None else None)

@@ -7,7 +7,8 @@ layers (the pull returns at once), the engine asks each step whether they have a
 and only then scatters them into its own pages, in order with its steps: no step waits for a transfer.
 Every call comes from the engine's thread (`jaxcpp.core.disaggregation`).
 
-Per source, the arrays are K of layers [first, end) then V of the same layers (`KVOffer`).
+Per source, the arrays are K of layers [first, end) then V of the same layers, or for a latent (MLA) cache
+the latent rows of those layers alone (`KVOffer`, `Stage.pages_avals`).
 """
 
 from __future__ import annotations
@@ -48,40 +49,44 @@ class KVTransport:
 
 
 def gather_offer(stages: list[Stage], pages: list[int]) -> list[jax.Array]:
-    """The stages' arrays of `pages` in offer order (K of every layer, then V), dispatched, not awaited."""
+    """The stages' arrays of `pages` in offer order (each page array's layers in turn: K of every layer,
+    then V; a latent cache's rows alone), dispatched, not awaited."""
     padded = np.asarray(padded_pages(pages), np.int32)
-    per_stage = [stage.gather_pages(padded) for stage in stages]
-    halves = [len(arrays) // 2 for arrays in per_stage]
-    return ([a for arrays, h in zip(per_stage, halves, strict=True) for a in arrays[:h]]
-            + [a for arrays, h in zip(per_stage, halves, strict=True) for a in arrays[h:]])
+    per_stage = [stage.gather_pages(padded) for stage in stages]  # [stage][page array][layer]
+    return [a for kind in zip(*per_stage, strict=True) for layers in kind for a in layers]
 
 
 class PulledPages:
-    """A consumer's pull of one offer: each layer's K and V, arriving on the stage that holds the layer."""
+    """A consumer's pull of one offer: each layer's page arrays (K and V, or the latent rows), arriving on
+    the stage that holds the layer."""
 
     def __init__(self, transport: KVTransport, stages: list[Stage], offer: KVOffer, transfer_id: int) -> None:
         self.stages = stages
         self.num_pages = offer.num_pages
-        self.k: dict[int, jax.Array] = {}
-        self.v: dict[int, jax.Array] = {}
+        self.layers: dict[int, list[jax.Array]] = {}  # layer -> its arrays, one per page array
         for source in offer.sources:
             layers = range(source.first_layer, source.end_layer)
-            avals = [_stage_of(stages, layer).pages_aval(offer.num_pages_padded) for layer in layers]
-            arrays = transport.pull(source, transfer_id, avals + avals)
-            self.k.update(zip(layers, arrays[:len(avals)], strict=True))
-            self.v.update(zip(layers, arrays[len(avals):], strict=True))
-        missing = [layer for s in stages for layer in range(*s.layers) if layer not in self.k]
+            per_layer = [_stage_of(stages, layer).pages_avals(offer.num_pages_padded) for layer in layers]
+            avals = [one[kind] for kind in range(len(per_layer[0])) for one in per_layer]
+            arrays = transport.pull(source, transfer_id, avals)
+            for i, layer in enumerate(layers):
+                self.layers[layer] = arrays[i::len(layers)]
+        missing = [layer for s in stages for layer in range(*s.layers) if layer not in self.layers]
         if missing:
             raise ValueError(f"the offer's sources leave layers {missing[:4]} out")
 
     @property
+    def _arrays(self) -> list[jax.Array]:
+        return [a for arrays in self.layers.values() for a in arrays]
+
+    @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in [*self.k.values(), *self.v.values()])
+        return sum(a.nbytes for a in self._arrays)
 
     def arrived(self) -> bool:
         """Whether every array is here; never blocks. A failed transfer raises (its arrays are ready, with
         the error): in the engine's thread, which hands the request to another producer."""
-        arrays = [*self.k.values(), *self.v.values()]
+        arrays = self._arrays
         if not all(a.is_ready() for a in arrays):  # type: ignore[attr-defined]  # jax.Array has it at runtime
             return False
         jax.block_until_ready(arrays)  # returns at once, or raises the transfer's error
@@ -93,7 +98,8 @@ class PulledPages:
         padded = np.asarray(padded_pages(pages), np.int32)
         for stage in self.stages:
             layers = range(*stage.layers)
-            stage.import_pages([self.k[i] for i in layers] + [self.v[i] for i in layers], padded)
+            kinds = len(self.layers[layers[0]])
+            stage.import_pages([[self.layers[i][kind] for i in layers] for kind in range(kinds)], padded)
 
 
 def _stage_of(stages: list[Stage], layer: int) -> Stage:

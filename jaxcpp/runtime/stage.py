@@ -142,16 +142,21 @@ def prompt_logprobs(params: llama.Params, hidden: jax.Array, packed: jax.Array, 
     return PromptLogprobs(lp.reshape(-1), ids.reshape(-1, ids.shape[-1]), top.reshape(-1, top.shape[-1]))
 
 
-def gather_pages(k: jax.Array, v: jax.Array, pages: jax.Array) -> list[jax.Array]:
-    """[layers, num_pages, ...] K and V -> one [len(pages), ...] array per layer, K then V."""
-    return [k[i, pages] for i in range(k.shape[0])] + [v[i, pages] for i in range(v.shape[0])]
+def page_arrays(kv: llama.KVCache) -> tuple[jax.Array, ...]:
+    """The arrays of `kv` that hold pages: K and V, or for a latent (MLA) cache its latent rows alone (its V
+    has no values: `llama.make_kv_cache`). What a transfer moves, each with its own shape and dtype."""
+    return (kv.k,) if kv.v.shape[-1] == 0 else (kv.k, kv.v)
 
 
-def scatter_pages(kv: llama.KVCache, layers: list[jax.Array], pages: jax.Array) -> llama.KVCache:
+def gather_pages(arrays: tuple[jax.Array, ...], pages: jax.Array) -> list[list[jax.Array]]:
+    """`page_arrays`' [layers, num_pages, ...] arrays -> for each, one [len(pages), ...] array per layer."""
+    return [[a[i, pages] for i in range(a.shape[0])] for a in arrays]
+
+
+def scatter_pages(kv: llama.KVCache, layers: list[list[jax.Array]], pages: jax.Array) -> llama.KVCache:
     """`gather_pages`'s arrays written into `pages` of `kv` (padding entries all write page 0)."""
-    n = kv.k.shape[0]
-    return kv._replace(k=kv.k.at[:, pages].set(jnp.stack(layers[:n])),
-                       v=kv.v.at[:, pages].set(jnp.stack(layers[n:])))
+    written = [a.at[:, pages].set(jnp.stack(per_layer)) for a, per_layer in zip(page_arrays(kv), layers, strict=True)]
+    return kv._replace(k=written[0], v=written[1] if len(written) > 1 else kv.v)
 
 
 def zero_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
@@ -325,31 +330,32 @@ class Stage:
         return self._output(out, batch)
 
     # ---- KV pages in and out (disaggregation) ----------------------------------------------------
-    def gather_pages(self, pages: np.ndarray) -> list[jax.Array]:
-        """This stage's K and V of `pages` (padded to a page bucket with page 0), one array per layer, K
-        then V, on the stage's first device: what a producer offers. A copy: the pages may be reused."""
-        return self._gather(self.kv.k, self.kv.v, jax.device_put(pages, self.replicated))
+    def gather_pages(self, pages: np.ndarray) -> list[list[jax.Array]]:
+        """This stage's pages `pages` (padded to a page bucket with page 0): for each of its page arrays (K
+        and V, or the latent rows), one array per layer, on the stage's first device: what a producer
+        offers. A copy: the pages may be reused."""
+        return self._gather(page_arrays(self.kv), jax.device_put(pages, self.replicated))
 
-    def pages_aval(self, num_pages: int) -> jax.ShapeDtypeStruct:
-        """One of `gather_pages`'s arrays (one layer's K or V of `num_pages` pages), as a consumer pulls it."""
-        _, _, page_size, heads, head_dim = self.kv.k.shape
-        return jax.ShapeDtypeStruct((num_pages, page_size, heads, head_dim), self.kv_cache_dtype,
-                                    sharding=self._one_device)
+    def pages_avals(self, num_pages: int) -> list[jax.ShapeDtypeStruct]:
+        """One layer's `gather_pages` array of `num_pages` pages for each page array (K and V, or the latent
+        rows), each with its own shape and dtype, as a consumer pulls them."""
+        return [jax.ShapeDtypeStruct((num_pages, *a.shape[2:]), a.dtype, sharding=self._one_device)
+                for a in page_arrays(self.kv)]
 
-    def import_pages(self, layers: list[jax.Array], pages: np.ndarray) -> None:
+    def import_pages(self, layers: list[list[jax.Array]], pages: np.ndarray) -> None:
         """Write pulled pages (`gather_pages`' arrays, for this stage's layers) into its own `pages`."""
         self.kv = self._scatter(self.kv, jax.device_put(layers, self.replicated),
                                 jax.device_put(pages, self.replicated))
 
     def compile_page_transfers(self, buckets: list[int], gather: bool, scatter: bool) -> None:
         """The gather and/or scatter program of every page bucket, at warm-up (no compile later)."""
+        num_layers = self.layers[1] - self.layers[0]
         for n in buckets:
             pages = self._aval((n,), np.int32)
             if gather:
-                self._gather.lower(self.kv.k, self.kv.v, pages).compile()
+                self._gather.lower(page_arrays(self.kv), pages).compile()
             if scatter:
-                one = self.pages_aval(n)
-                layers = [self._aval(one.shape, one.dtype)] * (2 * (self.layers[1] - self.layers[0]))
+                layers = [[self._aval(one.shape, one.dtype)] * num_layers for one in self.pages_avals(n)]
                 self._scatter.lower(self.kv, layers, pages).compile()
 
     def run_prompt_logprobs(self, out: StepOutput) -> PromptLogprobs:

@@ -109,20 +109,24 @@ class KvTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., skip_pages: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("model", "num_layers", "page_size", "kv_cache_dtype", "num_kv_heads", "head_dim")
+    __slots__ = ("model", "num_layers", "page_size", "kv_cache_dtype", "num_kv_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     page_size: int
     kv_cache_dtype: str
     num_kv_heads: int
     head_dim: int
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("address", "first_layer", "end_layer")

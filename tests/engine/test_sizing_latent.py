@@ -1,4 +1,5 @@
-"""Sizing a latent (MLA) KV cache: a page holds kv_lora_rank + qk_rope_head_dim values a token a layer."""
+"""Sizing a latent (MLA) KV cache: a page holds kv_lora_rank + qk_rope_head_dim values a token a layer; the
+KV layout a disaggregated producer and consumer compare says so."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -48,10 +49,28 @@ def test_engine_sizing_plans_latent_pages():
         EngineSizing.plan(config, dataclasses.replace(spec, config=per_head))  # type: ignore[arg-type]
 
 
-def test_disaggregating_an_mla_model_is_refused_naming_the_flag():
-    """KV transfer moves K and V pages; a latent page (one row, no V) would not cross: refused at start-up."""
+def test_a_disaggregated_mla_model_plans_and_describes_its_latent_pages():
+    """--kv-transfer-config with an MLA model starts (its latent pages cross, tests/disagg/
+    test_mla_disaggregation.py), and its KV layout says what a page holds: one shared head of
+    kv_lora_rank + qk_rope_head_dim values. An MHA layout, or a latent one of another rank, differs in
+    fields a refusal names, and the layout crosses the wire whole (an old peer's reads as MHA)."""
+    from jaxcpp.serving.disaggregation import layout_from_proto, layout_to_proto
+    from jaxcpp.serving.gen import jaxcpp_pb2 as pb
+
     spec = dataclasses.replace(resolve_model_spec("tiny", "float32"), config=LatentConfig())
     config = EngineConfig.from_kwargs(model="tiny", max_model_len=4096, kv_cache_memory_gb=1.0,
                                       kv_transfer_config='{"kv_role": "kv_producer"}')
-    with pytest.raises(ConfigError, match="--kv-transfer-config: .*MLA latent pages"):
-        EngineSizing.plan(config, spec)  # type: ignore[arg-type]
+    latent = EngineSizing.plan(config, spec).kv_layout()  # type: ignore[arg-type]
+    assert (latent.num_kv_heads, latent.head_dim, latent.kv_lora_rank, latent.qk_rope_head_dim) == (1, 576, 512, 64)
+    mha = EngineSizing.plan(config, dataclasses.replace(spec, config=dataclasses.replace(  # type: ignore[arg-type]
+        LatentConfig(), kv_lora_rank=0, num_key_value_heads=2, head_dim=64))).kv_layout()
+    assert latent.mismatch(mha, "this consumer", "producer p:1") == (
+        "KV layouts differ: num_kv_heads 1 (this consumer) vs 2 (producer p:1); "
+        "head_dim 576 (this consumer) vs 64 (producer p:1); kv_lora_rank 512 (this consumer) vs 0 (producer p:1); "
+        "qk_rope_head_dim 64 (this consumer) vs 0 (producer p:1)")
+    other_rank = dataclasses.replace(latent, head_dim=448, kv_lora_rank=384)
+    assert "kv_lora_rank 512 (a) vs 384 (b)" in str(latent.mismatch(other_rank, "a", "b"))
+    assert layout_from_proto(layout_to_proto(latent)) == latent
+    old_peer = pb.KvLayout(model="tiny", num_layers=8, page_size=16, kv_cache_dtype="float32", num_kv_heads=2,
+                           head_dim=64)
+    assert layout_from_proto(old_peer) == dataclasses.replace(mha, kv_cache_dtype="float32")
