@@ -305,10 +305,11 @@ def _run_alike(run: Run, first: int, hidden: jax.Array, kv: KVCache, md: Attenti
     return hidden, kv
 
 
-def default_attention(config: LlamaConfig) -> AttentionFn:
+def default_attention(config: LlamaConfig, mla_rebuild_weight: float = 1.0) -> AttentionFn:
     """The paged attention op a model's layers take when the caller names none: the ragged reference,
-    or for an MLA model the latent-page op with the per-step choice of form (`mla_attention_fn`)."""
-    return mla_attention_fn(config) if config.is_mla else ragged_paged_attention_reference
+    or for an MLA model the latent-page op with the per-step choice of form (`mla_attention_fn`; the
+    weight of the rebuild in that choice: `--mla-prefill`)."""
+    return mla_attention_fn(config, mla_rebuild_weight) if config.is_mla else ragged_paged_attention_reference
 
 
 def compute_logits(
