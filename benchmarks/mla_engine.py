@@ -3,6 +3,7 @@ rule, and uneven stages. Each stage process is pinned to its own core, single-th
 (JAXCPP_PIN_STAGE_CORES=1), as benchmarks/stage_processes.py does.
 
     .venv/bin/python -P benchmarks/mla_engine.py calibrate [--mla-prefill rebuilt] [--prompt-len 4096]
+    .venv/bin/python -P benchmarks/mla_engine.py rule [--budgets 512 1024 2048] [--rounds 3]
     .venv/bin/python -P benchmarks/mla_engine.py stages [--rounds 5] [--prompt-len 4096]
 
 Model: random weights (`jaxcpp.models.llama.init_params`) written as a DeepSeek-V3 folder: q LoRA 384,
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -99,6 +101,31 @@ def calibrate(args: argparse.Namespace) -> None:
         print(f"samples, chunk {chunk} (prefix:ms): {' '.join(cells)}")
     print(f"stats: {ctl.stats()}; load after {os.getloadavg()}")
     llm.engine.close()
+
+
+def rule(args: argparse.Namespace) -> None:
+    """--mla-prefill auto's start-up measurement on this device, repeated --rounds times (its noise), for
+    the DeepSeek-V3-shaped layer at budgets 512 / 1024 / 2048, and what each rule then rebuilds."""
+    import jax
+
+    from jaxcpp.chunking.mla_cost import MlaShape, prefer_rebuild
+    from jaxcpp.models.config import ModelConfig
+    from jaxcpp.runtime import mla_prefill
+
+    folder = Path(tempfile.mkdtemp(prefix="deepseek_"))
+    write_deepseek(folder, 1, 1, 8192)
+    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    shape, device = MlaShape.of(config), jax.devices()[0]
+    print(f"# --mla-prefill auto on {device.platform}, {os.cpu_count()} cores, load {os.getloadavg()}")
+    for budget in args.budgets:
+        for r in range(args.rounds):
+            mla_prefill._MEASURED.clear()
+            weight = mla_prefill.rebuild_weight("auto", config, device, budget, 16)
+            _, how = mla_prefill._MEASURED[next(iter(mla_prefill._MEASURED))]
+            chunks = [budget // s for s in mla_prefill.CHUNK_SHARES]
+            print(f"budget {budget} round {r}: weight {weight:.3g}; rebuilds after a {budget}-token prefix: auto "
+                  f"{[x for x in chunks if prefer_rebuild(shape, budget, x, weight)]}, flops "
+                  f"{[x for x in chunks if prefer_rebuild(shape, budget, x)]}; {how}", flush=True)
 
 
 def split_from_costs(costs: list[float], stages: int = 2) -> list[int]:
@@ -172,6 +199,9 @@ def main() -> None:
     c.add_argument("--mla-prefill", default="rebuilt", choices=("auto", "flops", "absorbed", "rebuilt"))
     c.add_argument("--prompt-len", type=int, default=4096)
     c.add_argument("--budget", type=int, default=512)
+    r = sub.add_parser("rule")
+    r.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    r.add_argument("--rounds", type=int, default=3)
     s = sub.add_parser("stages")
     s.add_argument("--dense", type=int, default=3)
     s.add_argument("--moe", type=int, default=3)
@@ -181,7 +211,7 @@ def main() -> None:
     s.add_argument("--vocab", type=int, default=32768, help="LM head width (V3: 129,280)")
     args = p.parse_args()
     sys.setrecursionlimit(10000)
-    {"calibrate": calibrate, "stages": stages}[args.part](args)
+    {"calibrate": calibrate, "rule": rule, "stages": stages}[args.part](args)
 
 
 if __name__ == "__main__":
