@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from jaxcpp.chunking.latency_model import LatencyModel, attention_area
 from jaxcpp.chunking.planner import raw_equal_latency_chunk
@@ -140,7 +141,7 @@ def check_fit(fit: _Solve, chunk: np.ndarray, prefix: np.ndarray, seconds: np.nd
     return None
 
 
-def fit_runtime(chunks: Sequence[int], prefixes: Sequence[int], seconds: Sequence[float], b: float,
+def fit_runtime(chunks: ArrayLike, prefixes: ArrayLike, seconds: ArrayLike, b: float,
                 c_startup: float, budget: int, with_gamma: bool = True) -> LatencyModel | Rejection:
     """a, γ, c with b fixed, from one (median) latency per shape; a model only if every check passes.
     `with_gamma=False`: γ held at 0 (an MLA model whose chunks attend absorbed rebuilds nothing)."""
@@ -152,7 +153,7 @@ def fit_runtime(chunks: Sequence[int], prefixes: Sequence[int], seconds: Sequenc
     return rejection if rejection is not None else fit.model
 
 
-def fit_errors(chunks: Sequence[int], prefixes: Sequence[int], seconds: Sequence[float], b: float,
+def fit_errors(chunks: ArrayLike, prefixes: ArrayLike, seconds: ArrayLike, b: float,
                c_startup: float) -> tuple[float, float]:
     """The fit errors (`relative_rms`) of the runtime fit with γ and with γ forced to 0, on the same
     samples: what the γ·L term buys. Same route as `fit_runtime` (b from the start-up sweep, c pinned
