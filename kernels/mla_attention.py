@@ -38,6 +38,7 @@ multiple of dr, as in every released MLA model: 512 / 64).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -272,10 +273,12 @@ def mla_attention_xla(
 
 
 def rebuild_is_cheaper(md: AttentionMetadata, kv_b_flops: float, absorbed_pair_flops: float,
-                       rebuilt_pair_flops: float) -> jax.Array:  # [] bool
+                       rebuilt_pair_flops: float, rebuild_weight: float = 1.0) -> jax.Array:  # [] bool
     """`jaxcpp.chunking.mla_cost.prefer_rebuild` for a whole step, on the device: rebuilding the
-    prefill chunks' contexts (W per context token, the rebuilt pair cost) costs fewer FLOPs in sum than
-    attending them absorbed (W per new token, the absorbed pair cost). Data, not shape: no compile."""
+    prefill chunks' contexts (W per context token, the rebuilt pair cost), weighted by `rebuild_weight`
+    (1: FLOPs; the device's measured one: `jaxcpp.runtime.mla_prefill`; inf never, 0 always), costs
+    less in sum than attending them absorbed (W per new token, the absorbed pair cost). Data, not
+    shape: no compile; the weight is fixed at start-up, a constant of the program."""
     seqs = jnp.arange(md.kv_lens.shape[0])
     prefill = (seqs >= md.num_decodes) & (seqs < md.num_seqs)
     new = (md.cu_q_lens[1:] - md.cu_q_lens[:-1]).astype(jnp.float32)
@@ -283,7 +286,9 @@ def rebuild_is_cheaper(md: AttentionMetadata, kv_b_flops: float, absorbed_pair_f
     pairs = cached * new + new * (new + 1) / 2
     rebuilt = kv_b_flops * (cached + new) + rebuilt_pair_flops * pairs
     absorbed = kv_b_flops * new + absorbed_pair_flops * pairs
-    return jnp.sum(jnp.where(prefill, rebuilt, 0.0)) < jnp.sum(jnp.where(prefill, absorbed, 0.0))
+    rebuilt_sum = jnp.sum(jnp.where(prefill, rebuilt, 0.0))
+    weighted = jnp.where(rebuilt_sum > 0, rebuild_weight * rebuilt_sum, jnp.inf)  # no prefill: absorbed (inf*0)
+    return weighted < jnp.sum(jnp.where(prefill, absorbed, 0.0))
 
 
 def mla_attention_auto(
@@ -298,14 +303,20 @@ def mla_attention_auto(
     sm_scale: float,
     flops: tuple[float, float, float],  # (W, absorbed pair, rebuilt pair): jaxcpp.chunking.mla_cost.MlaShape's
     absorbed: AbsorbedFn = mla_absorbed_xla,
+    rebuild_weight: float = 1.0,
 ) -> jax.Array:  # [T, H, dv]
-    """A step's MLA with the form of its prefill chunks chosen per step by FLOPs (`rebuild_is_cheaper`):
-    both forms are compiled into the one program, a `lax.cond` runs one."""
+    """A step's MLA with the form of its prefill chunks chosen per step by weighted FLOPs
+    (`rebuild_is_cheaper`): both forms are compiled into the one program, a `lax.cond` runs one; a
+    weight of inf or 0 (`--mla-prefill absorbed` / `rebuilt`) compiles that form alone."""
+    if rebuild_weight in (0.0, math.inf):
+        return mla_attention_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale, sm_scale=sm_scale,
+                                 rebuild_prefill=rebuild_weight == 0.0, absorbed=absorbed)
+
     def run(rebuild: bool) -> Any:
         return lambda: mla_attention_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale,
                                          sm_scale=sm_scale, rebuild_prefill=rebuild, absorbed=absorbed)
 
-    return lax.cond(rebuild_is_cheaper(md, *flops), run(True), run(False))
+    return lax.cond(rebuild_is_cheaper(md, *flops, rebuild_weight), run(True), run(False))
 
 
 # ----------------------------------------------------------------------------------------------- kernel

@@ -307,7 +307,8 @@ def _run_alike(run: Run, first: int, hidden: jax.Array, kv: KVCache, md: Attenti
 
 def default_attention(config: LlamaConfig) -> AttentionFn:
     """The paged attention op a model's layers take when the caller names none: the ragged reference,
-    or for an MLA model the latent-page op with the per-step choice of form (`mla_attention_fn`)."""
+    or for an MLA model the latent-page op with the per-step choice of form by FLOPs (`mla_attention_fn`;
+    a stage's op follows its flags: `runtime/stage_ops.model_attention`)."""
     return mla_attention_fn(config) if config.is_mla else ragged_paged_attention_reference
 
 

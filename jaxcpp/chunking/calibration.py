@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxcpp.chunking.fitting import Rejection, fit_runtime, relative_rms
+from jaxcpp.chunking.fitting import Rejection, fit_errors, fit_runtime, relative_rms
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.planner import ChunkSettings, snap_down
 
@@ -80,7 +80,9 @@ class RuntimeCalibrator:
 
     `status` is "collecting", "accepted" (then `model` and `fit_error` are set) or "gave_up" (then
     `give_up_reason`). `fit_error` is the accepted fit's RMS residual over its shapes, as a share of their
-    mean latency: how far the model may be trusted to rank plans.
+    mean latency: how far the model may be trusted to rank plans; `gamma_zero_fit_error` the same for
+    a fit of the same samples with γ forced to 0 (what the γ·L term buys: MLA's prefix rebuild);
+    `last_fit_errors` both, for the last fit tried, accepted or not.
     """
 
     def __init__(self, budget: int, b: float | None = None, c_startup: float | None = None) -> None:
@@ -90,6 +92,9 @@ class RuntimeCalibrator:
         self.status = "collecting"
         self.model: LatencyModel | None = None
         self.fit_error = 0.0
+        self.gamma_zero_fit_error = 0.0
+        self.last_fit_errors: tuple[float, float] | None = None  # (with γ, γ forced to 0) of the last fit tried
+        self.with_gamma = True  # False: γ held at 0 (MLA chunks attending absorbed: `DynamicChunkController`)
         self.give_up_reason: str | None = None
         self.rejections: list[str] = []
         self._shapes: dict[tuple[int, int], _Shape] = {}
@@ -157,7 +162,8 @@ class RuntimeCalibrator:
         keys = list(self._shapes)
         chunks, prefixes = np.array([c for c, _ in keys]), np.array([p for _, p in keys])
         seconds = np.array([self._shapes[k].median() for k in keys])
-        result = fit_runtime(chunks, prefixes, seconds, self.b, self.c_startup, self.budget)
+        result = fit_runtime(chunks, prefixes, seconds, self.b, self.c_startup, self.budget, self.with_gamma)
+        self.last_fit_errors = fit_errors(chunks, prefixes, seconds, self.b, self.c_startup)
         if isinstance(result, Rejection):
             self.rejections.append(result.reason)
             if len(self.rejections) >= MAX_REJECTED_FITS:
@@ -165,6 +171,7 @@ class RuntimeCalibrator:
             return result
         self.status, self.model = "accepted", result
         self.fit_error = relative_rms(seconds - result.predict(prefixes, chunks), seconds)
+        self.gamma_zero_fit_error = self.last_fit_errors[1]
         return result
 
     @property

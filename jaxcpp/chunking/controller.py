@@ -91,6 +91,8 @@ class DynamicChunkController:
         self.max_model_len = max_model_len
         self.model: LatencyModel | None = None
         self.fit_error = 0.0
+        self.gamma_zero_fit_error: float | None = None
+        self.prefill_form: str | None = None  # MLA: "absorbed", "rebuilt" or "mixed" (`set_prefill_form`)
         self.gate = SolePrefillGate()
         self._num_prefill_sources = 1  # this step's, as last observed
         self.load = PrefillLoad()       # optimal: whether prompts keep arriving while others prefill
@@ -143,6 +145,15 @@ class DynamicChunkController:
             self._give_up(fit.reason)
             return
         self.set_startup_fit(*fit)
+
+    def set_prefill_form(self, form: str) -> None:
+        """An MLA model's: how the chunks it plans attend (`jaxcpp.chunking.mla_cost.planned_form`):
+        "absorbed" rebuilds no prefix, so calibration holds γ at 0; "rebuilt" / "mixed" fit it."""
+        self.prefill_form = form
+        self.calibrator.with_gamma = form != "absorbed"
+        logger.info("Dynamic chunking: MLA prefill chunks of %d-%d tokens attend %s, so calibration %s",
+                    self.quarter_base, self.settings.budget, form,
+                    "holds gamma at 0" if form == "absorbed" else "fits gamma (the prefix rebuild)")
 
     def set_startup_fit(self, b: float, c: float) -> None:
         logger.info("Dynamic chunking start-up fit: b=%.6g c=%.6g", b, c)
@@ -207,17 +218,22 @@ class DynamicChunkController:
         self._plans.pop(request_id, None)
 
     # ----- state ------------------------------------------------------------------------------------
-    def install(self, model: LatencyModel, fit_error: float = 0.0) -> None:
+    def install(self, model: LatencyModel, fit_error: float = 0.0, gamma_zero_fit_error: float | None = None) -> None:
         """`fit_error`: the model's RMS residual over its calibration samples, as a share of their mean
         latency (0 for a model taken as exact); `optimal` runs the middle one of the fixed chunks predicted
-        within it of its best plan, where there are any."""
+        within it of its best plan, where there are any. `gamma_zero_fit_error`: the same samples fitted
+        with γ forced to 0 (calibration computes it; shown beside, in the log line and stats)."""
         self.model, self.fit_error, self.state = model, fit_error, ChunkingState.INSTALLED
+        self.gamma_zero_fit_error = gamma_zero_fit_error
         self._bases.clear()
         logger.info("Dynamic chunking latency model installed: %s", self.describe_model())
 
     def describe_model(self) -> str | None:
-        """`a=… b=… c=… gamma=… (fit error …%)`, or None before a model is installed."""
-        return None if self.model is None else f"{self.model.describe()} (fit error {self.fit_error:.2%})"
+        """`a=… b=… c=… gamma=… (fit error …%[; gamma forced to 0: …%])`, or None before a model is installed."""
+        if self.model is None:
+            return None
+        beside = "" if self.gamma_zero_fit_error is None else f"; gamma forced to 0: {self.gamma_zero_fit_error:.2%}"
+        return f"{self.model.describe()} (fit error {self.fit_error:.2%}{beside})"
 
     @property
     def needs_ack(self) -> bool:
@@ -227,6 +243,8 @@ class DynamicChunkController:
     def stats(self) -> dict[str, Any]:
         """State, policy and (once installed) the latency model's coefficients, for stats and metrics."""
         coeffs = {} if self.model is None else {**dataclasses.asdict(self.model), "fit_error": self.fit_error}
+        if self.model is not None and self.gamma_zero_fit_error is not None:
+            coeffs["fit_error_gamma0"] = self.gamma_zero_fit_error
         return {"state": self.state.value, "policy": self.policy, **coeffs}
 
     def report(self) -> str:
@@ -264,7 +282,7 @@ class DynamicChunkController:
                         MAX_REJECTED_FITS, reason)
         status = self.calibrator.status
         if status == "accepted" and self.calibrator.model is not None:
-            self.install(self.calibrator.model, self.calibrator.fit_error)
+            self.install(self.calibrator.model, self.calibrator.fit_error, self.calibrator.gamma_zero_fit_error)
         elif status == "gave_up":
             self._give_up(self.calibrator.give_up_reason or "calibration failed")
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from jaxcpp.chunking.latency_model import LatencyModel, attention_area
 from jaxcpp.chunking.planner import raw_equal_latency_chunk
@@ -75,16 +76,15 @@ def _solve(q: np.ndarray, prefix: np.ndarray, y: np.ndarray, b: float, c_pinned:
 
 
 def _fit_with_refits(chunk: np.ndarray, prefix: np.ndarray, seconds: np.ndarray, b: float,
-                     c_startup: float) -> _Solve:
+                     c_startup: float, with_gamma: bool = True) -> _Solve:
     q = attention_area(prefix, chunk)
     y = seconds - b * chunk
     c_pinned: float | None = None
-    with_gamma = True
     fit = _solve(q, prefix, y, b, c_pinned, with_gamma)
     if fit.model.c < 0:  # a negative per-forward overhead is the fit trading c against γ or a
         c_pinned = c_startup
         fit = _solve(q, prefix, y, b, c_pinned, with_gamma)
-    if fit.model.gamma < 0:  # a prefix that makes chunks faster is noise: drop the column
+    if with_gamma and fit.model.gamma < 0:  # a prefix that makes chunks faster is noise: drop the column
         with_gamma = False
         fit = _solve(q, prefix, y, b, c_pinned, with_gamma)
         if fit.model.c < 0:
@@ -141,15 +141,32 @@ def check_fit(fit: _Solve, chunk: np.ndarray, prefix: np.ndarray, seconds: np.nd
     return None
 
 
-def fit_runtime(chunks: Sequence[int], prefixes: Sequence[int], seconds: Sequence[float], b: float,
-                c_startup: float, budget: int) -> LatencyModel | Rejection:
-    """a, γ, c with b fixed, from one (median) latency per shape; a model only if every check passes."""
+def fit_runtime(chunks: ArrayLike, prefixes: ArrayLike, seconds: ArrayLike, b: float,
+                c_startup: float, budget: int, with_gamma: bool = True) -> LatencyModel | Rejection:
+    """a, γ, c with b fixed, from one (median) latency per shape; a model only if every check passes.
+    `with_gamma=False`: γ held at 0 (an MLA model whose chunks attend absorbed rebuilds nothing)."""
     x = np.asarray(chunks, dtype=np.float64)
     prefix = np.asarray(prefixes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
-    fit = _fit_with_refits(x, prefix, t, b, c_startup)
+    fit = _fit_with_refits(x, prefix, t, b, c_startup, with_gamma)
     rejection = check_fit(fit, x, prefix, t, budget)
     return rejection if rejection is not None else fit.model
+
+
+def fit_errors(chunks: ArrayLike, prefixes: ArrayLike, seconds: ArrayLike, b: float,
+               c_startup: float) -> tuple[float, float]:
+    """The fit errors (`relative_rms`) of the runtime fit with γ and with γ forced to 0, on the same
+    samples: what the γ·L term buys. Same route as `fit_runtime` (b from the start-up sweep, c pinned
+    if negative, a negative γ dropped), no acceptance checks; the calibrator keeps them for every fit
+    it tries and reports them beside the installed model."""
+    x = np.asarray(chunks, dtype=np.float64)
+    prefix = np.asarray(prefixes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    errors = []
+    for with_gamma in (True, False):
+        model = _fit_with_refits(x, prefix, t, b, c_startup, with_gamma).model
+        errors.append(relative_rms(t - model.predict(prefix, x), t))
+    return errors[0], errors[1]
 
 
 @dataclass(frozen=True)

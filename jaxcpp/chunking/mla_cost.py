@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from jaxcpp.chunking.planner import positive_root
 
 FORMS = ("absorbed", "rebuilt")
+# --mla-prefill: how prefill chunks attend. auto: the FLOP rule weighted by this device's measured
+# speed of each form (`fit_rebuild_weight`, timed at start-up); flops: the FLOP rule as it stands.
+PREFILL_MODES = ("auto", "flops", "absorbed", "rebuilt")
+FIXED_WEIGHTS = {"flops": 1.0, "absorbed": math.inf, "rebuilt": 0.0}
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,12 @@ class MlaShape:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"MlaShape.{name} must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def of(config: Any) -> MlaShape:
+        """An MLA model config's (`jaxcpp.models.config.ModelConfig`) head layout."""
+        return MlaShape(config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim,
+                        config.qk_rope_head_dim, config.v_head_dim)
 
     @staticmethod
     def deepseek_v3() -> MlaShape:
@@ -81,9 +92,12 @@ def attention_flops(shape: MlaShape, prefix_len: float, chunk: float, form: str)
     return shape.kv_b_flops * rebuilt_tokens + shape.pair_flops(form) * causal_pairs(prefix_len, chunk)
 
 
-def prefer_rebuild(shape: MlaShape, prefix_len: float, chunk: float) -> bool:
-    """The per-chunk choice: rebuild the prefix when that costs fewer FLOPs than attending absorbed."""
-    return attention_flops(shape, prefix_len, chunk, "rebuilt") < attention_flops(shape, prefix_len, chunk, "absorbed")
+def prefer_rebuild(shape: MlaShape, prefix_len: float, chunk: float, rebuild_weight: float = 1.0) -> bool:
+    """The per-chunk choice: rebuild the prefix when `rebuild_weight` x its FLOPs is below the absorbed
+    form's FLOPs. Weight 1 is the FLOP rule; the device's measured weight (`fit_rebuild_weight`) makes
+    it that device's crossover; inf never rebuilds (`--mla-prefill absorbed`), 0 always (`rebuilt`)."""
+    rebuilt = attention_flops(shape, prefix_len, chunk, "rebuilt")
+    return rebuild_weight * rebuilt < attention_flops(shape, prefix_len, chunk, "absorbed") if rebuilt else False
 
 
 def crossover_chunk(shape: MlaShape, prefix_len: float) -> float:
@@ -110,3 +124,47 @@ def latency_terms(shape: MlaShape, num_layers: int, flops_per_s: float, form: st
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     gamma = shape.kv_b_flops * num_layers / flops_per_s if form == "rebuilt" else 0.0
     return gamma, shape.pair_flops(form) / 2.0 * num_layers / flops_per_s
+
+
+def fixed_rebuild_weight(mode: str) -> float | None:
+    """The rebuild weight `--mla-prefill mode` fixes, or None for auto (measured at start-up)."""
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"--mla-prefill must be one of {PREFILL_MODES}, got {mode!r}")
+    return FIXED_WEIGHTS.get(mode)
+
+
+@dataclass(frozen=True)
+class FormTiming:
+    """Both forms of one MLA layer's attention timed on the device for a chunk after a prefix."""
+
+    prefix_len: int
+    chunk: int
+    absorbed_s: float
+    rebuilt_s: float
+
+
+def fit_rebuild_weight(shape: MlaShape, timings: list[FormTiming]) -> float:
+    """The weight w for which "rebuild iff w x rebuilt FLOPs < absorbed FLOPs" agrees with the most
+    timed points (where rebuilding was measured faster), the one nearest 1 (the FLOP rule) among ties:
+    a point rebuilds under w iff w < its FLOP ratio absorbed / rebuilt, so candidates sit between the
+    sorted ratios (geometric midpoints), below the smallest and above the largest (x2 / x0.5)."""
+    if not timings:
+        raise ValueError("fit_rebuild_weight needs at least one timing")
+    ratios = [attention_flops(shape, t.prefix_len, t.chunk, "absorbed")
+              / attention_flops(shape, t.prefix_len, t.chunk, "rebuilt") for t in timings]
+    ordered = sorted(ratios)
+    candidates = [ordered[0] / 2, ordered[-1] * 2, 1.0]
+    candidates += [math.sqrt(lo * hi) for lo, hi in zip(ordered, ordered[1:], strict=False) if lo < hi]
+
+    def misses(weight: float) -> int:
+        return sum((weight < ratio) != (t.rebuilt_s < t.absorbed_s) for ratio, t in zip(ratios, timings, strict=True))
+
+    return min(candidates, key=lambda w: (misses(w), abs(math.log(w))))
+
+
+def planned_form(shape: MlaShape, rebuild_weight: float, chunks: tuple[int, int]) -> str:
+    """How the chunks dynamic chunking plans (`chunks`: its smallest and largest, after a prefix of the
+    largest) attend under the rule: "absorbed", "rebuilt", or "mixed" when the rule switches between them."""
+    smallest, largest = chunks
+    forms = {prefer_rebuild(shape, largest, x, rebuild_weight) for x in (smallest, largest)}
+    return "mixed" if len(forms) == 2 else ("rebuilt" if forms.pop() else "absorbed")

@@ -27,6 +27,12 @@ class ModelConfig:
                              "copying them out of the stack every step, at about twice the compile time), "
                              "auto (per-layer on CPU for a stage with >= 16 MiB of layer weights)",
                              choices=("auto", "stacked", "per-layer"))
+    mla_prefill: str = opt("auto", "MLA models (DeepSeek-V2/V3, Kimi-K2): how prefill chunks attend. absorbed "
+                           "(SGLang's form for short chunks: queries into the latent space, never decompressing "
+                           "the cache), rebuilt (vLLM's prefill: every chunk rebuilds its prefix's per-head K/V "
+                           "from the latent), flops (per step, whichever costs fewer FLOPs), auto (per step by "
+                           "FLOPs weighted by this device's speed of each form, timed at start-up)",
+                           choices=("auto", "flops", "absorbed", "rebuilt"))
 
     def __post_init__(self) -> None:
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")

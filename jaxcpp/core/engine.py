@@ -28,6 +28,7 @@ import random
 import time
 
 from jaxcpp.chunking.controller import DynamicChunkController
+from jaxcpp.chunking.mla_cost import MlaShape, planned_form
 from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.core.constrained import ConstrainedDecoding
 from jaxcpp.core.disaggregation import KVConsumer, KVProducer, check_kv_transfer
@@ -102,8 +103,13 @@ class LLMEngine:
     def _build_chunk_controller(self) -> DynamicChunkController | None:
         if not self.config.dynamic_chunking:  # off on a kv_consumer (EngineConfig says why)
             return None
-        return DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
-                                                  max_model_len=self.sizing.max_model_len)
+        controller = DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
+                                                        max_model_len=self.sizing.max_model_len)
+        weight = self.executor.mla_rebuild_weight
+        if weight is not None and controller.state == "calibrating":  # the latency model of the form that runs
+            chunks = (controller.quarter_base, controller.settings.budget)
+            controller.set_prefill_form(planned_form(MlaShape.of(self.sizing.spec.config), weight, chunks))
+        return controller
 
     def attach_remote_prefill(self, remote: RemotePrefill) -> None:
         """A consumer's producers: from now on a prompt is prefilled by one of them (`KVConsumer`)."""

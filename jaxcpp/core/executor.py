@@ -134,6 +134,13 @@ class Executor(Protocol):
 
     def num_compilations(self) -> int: ...
 
+    @property
+    def mla_rebuild_weight(self) -> float | None:
+        """An MLA model's weight of the rebuild in its per-step prefill rule (`--mla-prefill`;
+        `jaxcpp.chunking.mla_cost.prefer_rebuild`), so the host knows which form its chunks run; None
+        for other models. Stages measure their own under auto: the first stage's."""
+        ...
+
     def record_host_phases(self, phases: list[HostPhase]) -> None:
         """The engine loop's phases of one `step()`, for the trace (`--trace-file`); may ignore them."""
         ...

@@ -184,6 +184,10 @@ class FakeExecutor:
     def num_compilations(self) -> int:
         return self._compilations
 
+    @property
+    def mla_rebuild_weight(self) -> float | None:
+        return None  # no model, no MLA
+
     def record_host_phases(self, phases: list[HostPhase]) -> None:
         self.host_phases.extend(phases)
 

@@ -297,6 +297,11 @@ class MultiProcessExecutor:
             for phase in phases:
                 self._trace.add_host(phase)
 
+    @property
+    def mla_rebuild_weight(self) -> float | None:
+        """The first stage's (each stage measured its own under --mla-prefill auto; see core/executor.py)."""
+        return self.links[0].mla_rebuild_weight
+
     def num_compilations(self) -> int:
         """Programs compiled in every stage process since it started: each stage counts its own and
         reports it with every message (so this never waits; it is current as of the last collect)."""

@@ -92,6 +92,7 @@ class StageHandshake:
             ln.transfer = header["transfer"]
             ln.layers = (header["layers"][0], header["layers"][1])
             ln.sized = (header["dtype"], header["num_pages"])
+            ln.mla_rebuild_weight = header["mla_rebuild_weight"]
             if ln.sized != sized:
                 raise ln.error(f"built (dtype, KV pages) {ln.sized}, the head sized {sized}")
             log.info("stage %d of %d ready: %s, layers %d-%d, devices %s", ln.index, self.num_stages,

@@ -47,6 +47,7 @@ class StageLink:
     layers: tuple[int, int] = (0, 0)       # its layers [start, end), once ready
     compilations: int = 0                  # the stage's own count, as of its latest message
     sized: tuple[str, int] | None = None   # the (dtype, KV pages) it built, as it reported them
+    mla_rebuild_weight: float | None = None  # MLA: the weight its prefill rule gives the rebuild (--mla-prefill)
     clock_offset: float = 0.0              # add to the stage's perf_counter to get the head's
     process: subprocess.Popen[bytes] | None = None   # when the head spawned it
     log_tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=20))

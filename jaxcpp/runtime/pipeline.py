@@ -180,6 +180,10 @@ class PipelineExecutor:
             for phase in phases:
                 self._trace.add_host(phase)
 
+    @property
+    def mla_rebuild_weight(self) -> float | None:
+        return self.stages[0].mla_rebuild_weight
+
     def num_compilations(self) -> int:
         return compile_guard.num_compilations() - self._compilations_at_start
 

@@ -201,7 +201,7 @@ class Stage:
     def __init__(self, index: int, num_stages: int, mesh: Mesh, config: LlamaConfig, params: llama.Params,
                  layers: tuple[int, int], num_pages: int, page_size: int, attention_fn: AttentionFn,
                  max_num_seqs: int, max_num_tokens: int, kv_cache: KVCacheSettings | None = None,
-                 layer_weights: str = "auto") -> None:
+                 layer_weights: str = "auto", mla_rebuild_weight: float = 1.0) -> None:
         """`params`: this stage's host (numpy) params, its layers only (`load_stage_params`);
         `max_num_tokens`: the largest token bucket; `kv_cache`: the pages' dtype and scales (default:
         the model's dtype); `layer_weights`: "per-layer" holds each decoder layer's weights apart and
@@ -236,6 +236,7 @@ class Stage:
         self._no_feedback = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated) if self.is_first else None
         self._experts_fn = shard_experts(grouped_experts, mesh, config)  # expert-parallel over "tp"
         # an MLA model's op (stage_ops.model_attention) attends over latent pages, replicated over "tp"
+        self.mla_rebuild_weight = mla_rebuild_weight if config.is_mla else None  # --mla-prefill (mla_prefill.py)
         self._program = self._jit(attention_fn if config.is_mla else shard_attention(attention_fn, mesh, config))
         rep = self.replicated  # one sharding for every output array
         # in_shardings: a grammar mask comes from the host with the call (a device_put of its own cost the

@@ -32,6 +32,7 @@ from jaxcpp.kernels.metadata import AttentionFn
 from jaxcpp.models.checkpoint import load_kv_scales, load_stage_params
 from jaxcpp.models.config import ModelConfig
 from jaxcpp.models.mla import mla_attention_fn
+from jaxcpp.runtime.mla_prefill import rebuild_weight
 from jaxcpp.runtime.stage import KVCacheSettings, Stage, StageInput
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,15 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
                             sizing.spec.config.vocab_size, sizing.shape.max_num_seqs, config.model.seed)
     enable_compilation_cache()
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1, config.model.quantization)
-    stage = Stage(index, num_stages, mesh, sizing.spec.config, params, layers, sizing.num_pages, sizing.page_size,
-                  model_attention(sizing.spec.config, config.model.attention_backend), sizing.shape.max_num_seqs,
-                  sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers), config.model.layer_weights)
+    model = sizing.spec.config
+    weight = (rebuild_weight(config.model.mla_prefill, model, mesh.devices.flat[0], sizing.token_buckets[-1],
+                             sizing.page_size) if model.is_mla else 1.0)
+    stage = Stage(index, num_stages, mesh, model, params, layers, sizing.num_pages, sizing.page_size,
+                  model_attention(model, config.model.attention_backend, weight), sizing.shape.max_num_seqs,
+                  sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers), config.model.layer_weights,
+                  weight)
     weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
     kv_bytes = stage.kv.k.nbytes + stage.kv.v.nbytes
-    model = sizing.spec.config
     latent = (f", latent rows of {model.kv_lora_rank} + {model.qk_rope_head_dim} values a token a layer"
               if model.is_mla else "")  # MLA: one row shared by all heads (core/sizing.py counts the same)
     log.info("stage %d memory: weights %.1f MiB (%s), KV cache %.1f MiB (%d pages, %s%s)", index,
@@ -88,11 +92,12 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
     return stage
 
 
-def model_attention(model: ModelConfig, backend: str) -> AttentionFn:
+def model_attention(model: ModelConfig, backend: str, mla_rebuild_weight: float = 1.0) -> AttentionFn:
     """`--attention-backend`'s op for the model's pages: ragged paged attention, or for an MLA model
-    attention over latent pages with the backend's absorbed form (the Pallas kernel on a GPU)."""
+    attention over latent pages with the backend's absorbed form (the Pallas kernel on a GPU) and
+    `--mla-prefill`'s rule for its prefill chunks (`mla_rebuild_weight`, runtime/mla_prefill.py)."""
     if model.is_mla:
-        return mla_attention_fn(model, select_mla_absorbed(backend))
+        return mla_attention_fn(model, select_mla_absorbed(backend), mla_rebuild_weight)
     return select_attention(backend)
 
 

@@ -139,7 +139,8 @@ class StageWorker:
         ready.set()
         self._send({"op": "ready", "devices": [str(d) for d in self.stage.devices],
                     "layers": list(self.stage.layers), "transfer": self._server.address(),
-                    "dtype": built.spec.config.dtype, "num_pages": built.num_pages})
+                    "dtype": built.spec.config.dtype, "num_pages": built.num_pages,
+                    "mla_rebuild_weight": self.stage.mla_rebuild_weight})
 
     def _send(self, header: dict[str, Any], arrays: list[np.ndarray] = ()) -> None:  # type: ignore[assignment]
         """Every message carries the stage's compile count, so the head knows it without asking."""

@@ -63,6 +63,7 @@ class StandInStage:
         self.vocab_size, self.max_num_seqs = vocab_size, max_num_seqs
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.kv = None  # no KV cache: nothing to wait for or donate
+        self.mla_rebuild_weight = None  # no MLA attention: the stand-in only waits
         self._rng = np.random.default_rng([seed, index])
         log.warning("stage %d is a STAND-IN DEVICE: no model runs; every forward waits t(L, x) with %s "
                     "(jitter %.3g); its tokens are not a model's (benchmarks and load tests only)",

@@ -214,3 +214,28 @@ def test_a_long_stretch_without_samples_gives_up(monkeypatch):
     assert cal.status == "collecting"
     cal.tick()
     assert cal.status == "gave_up" and "no sole-prefill timing for 5" in cal.give_up_reason
+
+
+def test_gamma_forced_to_zero_is_fitted_beside_and_fits_a_rebuild_worse():
+    """An MLA model's rebuilt chunks pay γ·L (here the Kimi-K2.5 ratio): the accepted fit keeps γ and
+    reports what the same samples give with γ forced to 0, which must fit them worse."""
+    cal = RuntimeCalibrator(BUDGET, TRUE.b, TRUE.c)
+    for request_id, chunk in (("warm-up", 32768), ("r1", 8192), ("r2", 32768)):
+        feed(cal, request_id, chunk, 131072)
+    assert cal.status == "accepted" and cal.model.gamma == pytest.approx(TRUE.gamma, rel=1e-6)
+    assert cal.last_fit_errors == (cal.fit_error, cal.gamma_zero_fit_error)
+    assert cal.fit_error < 1e-9 < 0.01 < cal.gamma_zero_fit_error
+
+
+def test_absorbed_chunks_hold_gamma_at_zero():
+    """`with_gamma=False` (an MLA model whose planned chunks attend absorbed): no γ column, whatever
+    the samples say; the comparison is still kept."""
+    absorbed = LatencyModel(a=TRUE.a, b=TRUE.b, c=TRUE.c, gamma=0.0)
+    noise = iter(np.tile([1.002, 0.998], 64))
+    cal = RuntimeCalibrator(BUDGET, TRUE.b, TRUE.c)
+    cal.with_gamma = False
+    for request_id, chunk in (("warm-up", 32768), ("r1", 8192), ("r2", 32768)):
+        for prefix in range(0, 131072, chunk):
+            cal.record(chunk, prefix, float(absorbed.predict(prefix, chunk)) * next(noise), request_id)
+    assert cal.status == "accepted" and cal.model.gamma == 0.0
+    assert cal.gamma_zero_fit_error == pytest.approx(cal.fit_error, rel=1e-9)

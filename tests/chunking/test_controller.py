@@ -48,6 +48,28 @@ def test_calibrates_by_alternating_bases_then_installs_and_logs(caplog):
     assert ctl.report_counts() == dict.fromkeys(counts, 0)
 
 
+def test_the_install_line_and_stats_show_gamma_beside_the_gamma_zero_fit(caplog):
+    """Item 6 of the MLA issue: the installed model's line shows γ and the error of the same samples
+    fitted with γ forced to 0; stats carry it too. An MLA model whose planned chunks attend absorbed
+    (`set_prefill_form`) installs γ = 0."""
+    ctl = DynamicChunkController(SETTINGS)
+    ctl.set_startup_fit(TRUE.b, TRUE.c)
+    with caplog.at_level(logging.INFO, logger="jaxcpp.chunking"):
+        for request_id in ("r0", "r1", "r2"):
+            prefill_alone(ctl, request_id, 131072)
+    line = next(r.message for r in caplog.records if "latency model installed" in r.message)
+    assert f"gamma={ctl.model.gamma:.6g}" in line and ctl.model.gamma == pytest.approx(TRUE.gamma, rel=1e-6)
+    assert f"; gamma forced to 0: {ctl.gamma_zero_fit_error:.2%})" in line
+    stats = ctl.stats()
+    assert stats["fit_error_gamma0"] == ctl.gamma_zero_fit_error > 0.01 > stats["fit_error"]
+    absorbed = DynamicChunkController(SETTINGS)
+    absorbed.set_prefill_form("absorbed")
+    absorbed.set_startup_fit(TRUE.b, TRUE.c)
+    for request_id in ("r0", "r1", "r2", "r3"):
+        prefill_alone(absorbed, request_id, 131072, model=LatencyModel(TRUE.a, TRUE.b, TRUE.c, 0.0))
+    assert absorbed.state == "installed" and absorbed.model.gamma == 0.0
+
+
 def test_a_prompts_remainder_is_not_a_second_chunk_size():
     """One base size along the prefix plus the last chunk's remainder leave a against γ resting on one
     sample: not ready until a second size is seen at two prefixes (it was, and on real compute such a

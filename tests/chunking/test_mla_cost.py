@@ -8,12 +8,17 @@ import pytest
 from jaxcpp.chunking.fitting import fit_free
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.mla_cost import (
+    PREFILL_MODES,
+    FormTiming,
     MlaShape,
     asymptotic_crossover,
     attention_flops,
     causal_pairs,
     crossover_chunk,
+    fit_rebuild_weight,
+    fixed_rebuild_weight,
     latency_terms,
+    planned_form,
     prefer_rebuild,
 )
 
@@ -75,3 +80,36 @@ def test_fit_free_recovers_all_four_terms_with_errors_and_gamma_forced_to_zero()
     assert no_gamma.fit_error > 2 * fit.fit_error  # γ·L is a real share here: dropping it shows
     with pytest.raises(ValueError, match="samples cannot fit"):
         fit_free(chunks[:4], prefixes[:4], seconds[:4])
+
+
+def test_rebuild_weight_moves_the_crossover_and_fixes_a_form():
+    """Weight 1 is the FLOP rule; a device where the rebuild runs 2x slower a FLOP rebuilds later;
+    inf never rebuilds (--mla-prefill absorbed), 0 always (rebuilt), and an empty chunk never does."""
+    assert prefer_rebuild(V3, 4096, 256) and not prefer_rebuild(V3, 4096, 256, 2.0)
+    assert prefer_rebuild(V3, 4096, 1024, 2.0)
+    assert not prefer_rebuild(V3, 4096, 10**6, math.inf) and prefer_rebuild(V3, 4096, 1, 0.0)
+    assert not prefer_rebuild(V3, 4096, 0, 0.0)
+    assert [fixed_rebuild_weight(m) for m in PREFILL_MODES] == [None, 1.0, math.inf, 0.0]
+    with pytest.raises(ValueError, match="--mla-prefill"):
+        fixed_rebuild_weight("sometimes")
+
+
+def test_fitted_weight_sorts_the_timed_points_as_measured():
+    """This CPU (docs/benchmarks.md): absorbed faster at every point the FLOP rule rebuilds: the fitted
+    weight rebuilds none of them. A GPU-like device where rebuilt wins past the FLOP crossover keeps
+    the FLOP rule (weight 1, the nearest to it among perfect fits). A crossover between 256 and 512
+    lands between them."""
+    def timed(faster):  # faster(chunk) -> "rebuilt" or "absorbed"
+        return [FormTiming(512, x, 1.0, 0.5 if faster(x) == "rebuilt" else 2.0) for x in (128, 256, 512)]
+
+    cpu = fit_rebuild_weight(V3, timed(lambda x: "absorbed"))
+    assert not any(prefer_rebuild(V3, 512, x, cpu) for x in (128, 256, 512))
+    # The FLOP ratio absorbed / rebuilt tends to pair_a / pair_r (3.4 for V3) as the chunk grows, and
+    # the weight sits above twice the largest timed ratio: absorbed for every chunk, as measured.
+    assert cpu > V3.pair_flops("absorbed") / V3.pair_flops("rebuilt") and not prefer_rebuild(V3, 512, 10**6, cpu)
+    flops = fit_rebuild_weight(V3, timed(lambda x: "rebuilt" if prefer_rebuild(V3, 512, x) else "absorbed"))
+    assert flops == 1.0
+    late = fit_rebuild_weight(V3, timed(lambda x: "rebuilt" if x >= 512 else "absorbed"))
+    assert [prefer_rebuild(V3, 512, x, late) for x in (128, 256, 512)] == [False, False, True]
+    assert planned_form(V3, late, (128, 512)) == "mixed"
+    assert planned_form(V3, cpu, (128, 512)) == "absorbed" and planned_form(V3, 0.0, (128, 512)) == "rebuilt"

@@ -8,6 +8,7 @@ DeepSeek-V3: 128 vs 192). `INTERPRET` picks the kernel's mode as in test_ragged_
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,24 @@ def test_per_step_choice_is_the_flop_rule(chunk, prefix):
     assert max_error(out, dense_mla(b)) < 1e-5
     decodes_only = mla_batch([1, 1], [3, 200])["md"]
     assert not bool(rebuild_is_cheaper(decodes_only, *flops))  # decodes always attend absorbed
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5, 2.0, math.inf])
+def test_per_step_choice_is_the_host_rule_for_every_rebuild_weight(weight):
+    """--mla-prefill: the device's choice equals `prefer_rebuild` under the configured weight (rebuilt 0,
+    a measured 0.5 or 2, absorbed inf) at every shape, decodes-only steps never rebuild, and a fixed
+    form (0, inf) computes the same output as the float64 reference."""
+    from jaxcpp.chunking.mla_cost import prefer_rebuild
+
+    shape, flops = _flops()
+    for chunk, prefix in [(61, 0), (2, 250), (17, 250), (61, 256), (37, 21)]:
+        b = mla_batch([1, 1, 1, chunk], [40, 0, 299, prefix], seed=chunk)
+        assert bool(rebuild_is_cheaper(b["md"], *flops, weight)) == prefer_rebuild(shape, prefix, chunk, weight)
+    assert not bool(rebuild_is_cheaper(mla_batch([1, 1], [3, 200])["md"], *flops, weight))
+    if weight in (0.0, math.inf):
+        out = mla_attention_auto(b["q_nope"], b["q_rope"], b["pages"], b["w_uk"], b["w_uv"], b["md"],
+                                 sm_scale=SM_SCALE, flops=flops, rebuild_weight=weight)
+        assert max_error(out, dense_mla(b)) < 1e-5
 
 
 def test_rebuilt_small_blocks_and_one_compile():

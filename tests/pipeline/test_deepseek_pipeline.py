@@ -3,7 +3,8 @@ its KV pages hold latent rows, and chunked prefill, PP 2 (the dense first layers
 layers on the other), prefix caching and fp8 latent pages give the unchunked one-device engine's tokens
 and logits; nothing compiles after warm-up while steps switch between the absorbed and the rebuilt
 prefill form (`mla_attention_auto`: the 120-token prompt's later 64-token chunks rebuild, the first
-chunk of every prompt and the decodes attend absorbed). Plus: the engine's greedy tokens equal
+chunk of every prompt and the decodes attend absorbed; `--mla-prefill flops`, the FLOP rule, so the
+forms do not depend on what `auto` measures on the machine). Plus: the engine's greedy tokens equal
 transformers' on a folder transformers wrote.
 """
 
@@ -63,14 +64,15 @@ def deepseek_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(pp_llm, deepseek_model):
-    return run(pp_llm(model=deepseek_model, enable_chunked_prefill=False, max_num_batched_tokens=128))
+    return run(pp_llm(model=deepseek_model, mla_prefill="flops", enable_chunked_prefill=False,
+                      max_num_batched_tokens=128))
 
 
 @pytest.mark.parametrize(("pp", "tp"), [(1, 1), (2, 1), (2, 2)])
 def test_layouts_match_single_device_unchunked(pp_llm, deepseek_model, reference, pp, tp):
     """pp 1: chunked prefill (64-token budget) equals the unchunked reference; pp 2: dense | MoE stages;
     tp 2: the latent pages replicated, the heads' projections and the 8 experts (4 a device) split."""
-    llm = pp_llm(model=deepseek_model, pipeline_parallel_size=pp, tensor_parallel_size=tp)
+    llm = pp_llm(model=deepseek_model, mla_prefill="flops", pipeline_parallel_size=pp, tensor_parallel_size=tp)
     stages = llm.engine.executor.stages
     for stage in stages:  # one latent row a token a layer: kv_lora_rank + qk_rope_head_dim values
         assert stage.kv.k.shape[2:] == (16, 1, RANK + ROPE) and stage.kv.v.shape[-1] == 0
@@ -97,7 +99,8 @@ def test_pallas_absorbed_kernel_in_the_stages(pp_llm, deepseek_model, reference,
 
 
 def test_stage_processes_match_in_process(make_pp_llm, deepseek_model, reference):
-    llm = make_pp_llm(model=deepseek_model, pipeline_parallel_size=2, distributed_executor_backend="mp")
+    llm = make_pp_llm(model=deepseek_model, mla_prefill="flops", pipeline_parallel_size=2,
+                      distributed_executor_backend="mp")
     try:
         assert_same(run(llm), reference)
     finally:
@@ -106,7 +109,7 @@ def test_stage_processes_match_in_process(make_pp_llm, deepseek_model, reference
 
 def test_prefix_caching_on_latent_pages(pp_llm, deepseek_model, reference):
     """A second run of the same prompts reuses their cached latent pages and gives the same tokens."""
-    llm = pp_llm(model=deepseek_model, enable_prefix_caching=True)
+    llm = pp_llm(model=deepseek_model, mla_prefill="flops", enable_prefix_caching=True)
     first = run(llm)
     hits = llm.engine.stats().num_prefix_cache_hit_tokens_total
     again = run(llm)
@@ -116,8 +119,8 @@ def test_prefix_caching_on_latent_pages(pp_llm, deepseek_model, reference):
 
 def test_fp8_latent_pages(pp_llm, deepseek_model, reference):
     """--kv-cache-dtype fp8: latent rows stored in float8_e4m3 (one scale a layer), PP 2 equals PP 1."""
-    one = run(pp_llm(model=deepseek_model, kv_cache_dtype="fp8"))
-    llm = pp_llm(model=deepseek_model, kv_cache_dtype="fp8", pipeline_parallel_size=2)
+    one = run(pp_llm(model=deepseek_model, mla_prefill="flops", kv_cache_dtype="fp8"))
+    llm = pp_llm(model=deepseek_model, mla_prefill="flops", kv_cache_dtype="fp8", pipeline_parallel_size=2)
     assert llm.engine.executor.stages[0].kv.k.dtype == jnp.float8_e4m3fn
     assert_same(run(llm), one, 1e-2)
     for out, ref in zip(one, reference, strict=True):  # the first token's logits (before tokens may part):
@@ -147,7 +150,7 @@ def test_engine_greedy_equals_transformers(make_pp_llm, tmp_path):
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                               pad_token_id=0)[0, len(prompt):].tolist()
-    llm = make_pp_llm(model=str(tmp_path), max_model_len=64, max_num_batched_tokens=16)
+    llm = make_pp_llm(model=str(tmp_path), mla_prefill="flops", max_model_len=64, max_num_batched_tokens=16)
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
                                                                                    ignore_eos=True))
     assert out[0].token_ids == want
