@@ -93,7 +93,7 @@ def test_pallas_absorbed_kernel_in_the_stages(pp_llm, deepseek_model, reference,
     traced = []
     kernel = mla_attention._kernel
     monkeypatch.setattr(mla_attention, "_kernel", lambda *a, **k: traced.append(1) or kernel(*a, **k))
-    llm = pp_llm(model=deepseek_model, attention_backend="pallas", pipeline_parallel_size=2)
+    llm = pp_llm(model=deepseek_model, mla_prefill="flops", attention_backend="pallas", pipeline_parallel_size=2)
     assert traced  # the stages' programs hold the kernel
     assert_same(run(llm), reference, 1e-4)  # another order of float32 sums
 
