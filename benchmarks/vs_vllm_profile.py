@@ -8,7 +8,8 @@ Two offline scenarios, each one `generate` of greedy requests after a warm-up ge
 
 jaxcpp: under `jax.profiler.trace`; XLA:CPU records every thunk it runs (hlo_op, hlo_module), and
 each leaf thunk is put in a bucket: the sampler program; attention (anything inside the attention's
-own loops, i.e. a while nested in the layer scan's while, and the C++ decode attention's FFI call); matmul (YNNPACK / dot thunks); KV write
+own loops, i.e. a while nested in the layer scan's while, and the C++ decode attention's FFI call);
+matmul (YNNPACK / dot thunks); KV write
 (scatter); other device work (norms, RoPE, SwiGLU, gathers, the attention's set-up outside its
 loops). Host = the generate's wall time minus the time some thunk ran (the engine loop, Python,
 dispatch, and idle). vLLM: under torch's profiler (vLLM's own `profiler_config`), its key-averages
