@@ -4,7 +4,8 @@ The XLA path's decode rows either go through `jaxcpp.kernels.cpu_decode_attentio
 reading K/V pages in place; the default on CPU) or through XLA ops that gather every row's pages into a
 fresh operand each layer of each step (`decode_kernel="xla"`). Both engines are built in this process,
 then the same workloads alternate between them `--repeat` times, the order flipped every round;
-medians, the kernel / ops ratio and its per-round values. Greedy tokens are compared.
+medians of the generate's seconds and of every request's inter-token latencies (ITL), the kernel / ops
+ratios and their per-round values. Greedy tokens are compared.
 
     .venv/bin/python benchmarks/cpu_decode_attention.py --model /tmp/vsv/models/30m --repeat 3
 """
@@ -55,6 +56,7 @@ def main() -> None:
     vocab = min(256, engines["ops"].engine.tokenizer.vocab_size)
     rng = random.Random(0)
     times: dict[tuple[str, str], list[float]] = {}
+    itls: dict[tuple[str, str], list[float]] = {}  # median ITL of each generate
     ratios: dict[str, list[float]] = {}
     for r in range(args.repeat):
         for workload, (prompt_len, out) in WORKLOADS.items():
@@ -65,18 +67,23 @@ def main() -> None:
                 t0 = time.perf_counter()
                 outs = engines[name].generate(prompt_token_ids=prompts, sampling_params=params)
                 times.setdefault((workload, name), []).append(time.perf_counter() - t0)
+                itls.setdefault((workload, name), []).append(statistics.median(
+                    gap for o in outs for gap in o.metrics.itl))
                 tokens[name] = [o.token_ids for o in outs]
             ratios.setdefault(workload, []).append(times[(workload, "kernel")][-1] / times[(workload, "ops")][-1])
             same = sum(a == b for a, b in zip(tokens["ops"], tokens["kernel"], strict=True))
-            print(f"  round {r + 1} {workload}: " + ", ".join(f"{n} {times[(workload, n)][-1]:.2f}s" for n in NAMES)
-                  + f"; greedy tokens identical in {same}/{len(prompts)}; load {os.getloadavg()[0]:.1f}",
+            print(f"  round {r + 1} {workload}: " + ", ".join(
+                f"{n} {times[(workload, n)][-1]:.2f}s (median ITL {itls[(workload, n)][-1] * 1e3:.1f} ms)"
+                for n in NAMES) + f"; greedy tokens identical in {same}/{len(prompts)}; load {os.getloadavg()[0]:.1f}",
                   flush=True)
     print(f"\nmodel {args.model}, batch {args.batch}, budget {args.budget}, load {os.getloadavg()}")
-    print("| workload | XLA ops s | C++ kernel s | kernel / ops | per round |\n| --- | ---: | ---: | ---: | --- |")
+    print("| workload | XLA ops s | C++ kernel s | kernel / ops | per round | median ITL ms, ops / kernel | ratio |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
     for workload in WORKLOADS:
         a, b = (statistics.median(times[(workload, n)]) for n in NAMES)
+        ia, ib = (statistics.median(itls[(workload, n)]) * 1e3 for n in NAMES)
         rounds = ", ".join(f"{x:.2f}" for x in ratios[workload])
-        print(f"| {workload} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {rounds} |")
+        print(f"| {workload} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {rounds} | {ia:.1f} / {ib:.1f} | {ib / ia:.2f}x |")
 
 
 if __name__ == "__main__":
