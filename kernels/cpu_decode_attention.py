@@ -10,6 +10,7 @@ It is built once per machine with the host's C++ compiler against the XLA FFI he
 feature flags (it is compiled for this CPU: `-march=native`), and registered as an XLA FFI target for
 the CPU platform. Where no compiler is found or the build fails, `available()` says so once in the log
 and the XLA path's own decode attention runs instead: same contract, same results to float32 rounding.
+`JAXCPP_CPU_DECODE_KERNEL=0` chooses that path on purpose (an A/B, or a kernel to rule out).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SOURCE = Path(__file__).with_name("paged_decode_attention_cpu.cc")
 TARGET = "jaxcpp_paged_decode_attention"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
 CACHE_ENV = "JAXCPP_KERNEL_CACHE_DIR"  # where built kernels go (default ~/.cache/jaxcpp/kernels)
+SWITCH_ENV = "JAXCPP_CPU_DECODE_KERNEL"  # "0": never use the kernel (the XLA ops serve decodes)
 
 
 def _cpu_flags() -> str:
@@ -69,7 +71,11 @@ def _build(compiler: str, library: Path) -> None:
 
 @functools.cache
 def available() -> bool:
-    """Build (once per machine) and register the kernel; False, logged once, where that cannot be done."""
+    """Build (once per machine) and register the kernel; False, logged once, where that cannot be done
+    or `JAXCPP_CPU_DECODE_KERNEL=0` turns it off."""
+    if os.environ.get(SWITCH_ENV) == "0":
+        log.warning("%s=0: CPU decode attention runs as XLA ops (page gathers)", SWITCH_ENV)
+        return False
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         log.warning("no C++ compiler found: CPU decode attention runs as XLA ops (page gathers)")

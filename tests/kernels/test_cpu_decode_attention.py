@@ -82,3 +82,9 @@ def test_a_failed_build_falls_back_with_one_warning(tmp_path, monkeypatch, caplo
         assert cpu_decode_attention.available.__wrapped__() is False
     assert "falls back" in caplog.text or "runs as XLA ops" in caplog.text
     assert not list(tmp_path.iterdir())  # no half-built library left behind
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    """JAXCPP_CPU_DECODE_KERNEL=0: never built or used, the XLA ops serve the decodes."""
+    monkeypatch.setenv(cpu_decode_attention.SWITCH_ENV, "0")
+    assert cpu_decode_attention.available.__wrapped__() is False
