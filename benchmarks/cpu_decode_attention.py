@@ -8,6 +8,13 @@ medians of the generate's seconds and of every request's inter-token latencies (
 ratios and their per-round values. Greedy tokens are compared.
 
     .venv/bin/python benchmarks/cpu_decode_attention.py --model /tmp/vsv/models/30m --repeat 3
+
+`--serving` runs the vs-vLLM serving cell instead (`benchmarks/vs_vllm.py`'s servers and vLLM's own
+client, so it needs the vLLM venv `vs_vllm.py --setup` makes): `jaxcpp serve` with the kernel and with
+`JAXCPP_CPU_DECODE_KERNEL=0`, alternating, a warm-up wave each, 32 prompts of 512 in / 128 out at
+concurrency 16, budget 512, max model length 1280:
+
+    .venv/bin/python benchmarks/cpu_decode_attention.py --serving --model /tmp/vsv/models/30m --repeat 2
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ import functools
 import os
 import random
 import statistics
+import tempfile
 import time
 
 WORKLOADS = {"decode": (512, 128), "mixed": (512, 16)}  # prompt tokens, output tokens per request
 NAMES = ("ops", "kernel")  # decode rows as XLA ops; as the C++ kernel
+SWITCH_ENV = "JAXCPP_CPU_DECODE_KERNEL"  # kernels/cpu_decode_attention.py: "0" turns the kernel off
 
 
 def build(model: str, name: str, budget: int) -> object:
@@ -39,13 +48,46 @@ def build(model: str, name: str, budget: int) -> object:
         stage_ops.select_attention = original
 
 
+def serving(model: str, rounds: int) -> None:
+    """The vs-vLLM mixed cell at concurrency 16 against `jaxcpp serve` with and without the kernel."""
+    from pathlib import Path
+
+    import vs_vllm
+
+    args = vs_vllm.parse_args(["--models", "30m", "--workloads", "mixed", "--concurrency", "16",
+                               "--max-num-batched-tokens", "512", "--max-model-len", "1280"])
+    work = Path(tempfile.mkdtemp(prefix="cpu-decode-serving-"))
+    results: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        for name in NAMES if r % 2 == 0 else NAMES[::-1]:
+            env = {**os.environ, SWITCH_ENV: "0" if name == "ops" else "1"}
+            server = vs_vllm.start("jaxcpp", Path(model), args, work / f"{name}-{r}.log", env=env)
+            try:
+                vs_vllm.bench(server, Path(model), "mixed", 16, 16, 10_000 + r, args, work / f"warm-{name}-{r}.json")
+                out = vs_vllm.bench(server, Path(model), "mixed", 16, 32, r, args, work / f"{name}-{r}.json")
+            finally:
+                server.stop()
+            results.setdefault(name, []).append(out)
+            metrics = "  ".join(f"{label} {out[key]:.1f}" for key, label, _ in vs_vllm.METRICS)
+            print(f"  round {r + 1} {name:6} {metrics}  load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"\nmodel {model}, load {os.getloadavg()}, logs in {work}")
+    print("| metric | XLA ops | C++ kernel | kernel / ops |\n| --- | ---: | ---: | ---: |")
+    for key, label, _ in vs_vllm.METRICS:
+        a, b = (statistics.median(x[key] for x in results[n]) for n in NAMES)
+        print(f"| {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--serving", action="store_true", help="the vs-vLLM serving cell, not offline generates")
     args = p.parse_args()
+    if args.serving:
+        serving(args.model, args.repeat)
+        return
     from jaxcpp import SamplingParams
 
     engines = {}
