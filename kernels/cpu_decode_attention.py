@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode_attention_cpu.cc")
 TARGET = "jaxcpp_paged_decode_attention"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
-CACHE_ENV = "JAXCPP_KERNEL_CACHE_DIR"  # where built kernels go (default ~/.cache/jaxcpp/kernels)
+CACHE_ENV = "JAXCPP_KERNEL_CACHE_DIR"  # where built kernels go (default $XDG_CACHE_HOME/jaxcpp/kernels)
 SWITCH_ENV = "JAXCPP_CPU_DECODE_KERNEL"  # "0": never use the kernel (the XLA ops serve decodes)
 
 
@@ -51,7 +51,8 @@ def _library_path(compiler: str) -> Path:
     for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
                  _cpu_flags().encode()):
         key.update(part)
-    folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jaxcpp" / "kernels")
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = Path(os.environ.get(CACHE_ENV) or cache_home / "jaxcpp" / "kernels")
     return folder / f"paged_decode_attention_{key.hexdigest()[:16]}.so"
 
 
