@@ -8,6 +8,8 @@ peaks (a dense matmul and an elementwise copy timed in the same run).
     python benchmarks/kernels.py --tiny-model --baseline main   # on CPU: the bundled model's attention
                                             # at engine sizes (page table of 2048 tokens), the XLA path
                                             # now and at git revision `main` side by side
+    python benchmarks/kernels.py --llama-30m --dtype float32   # on CPU: the vs-vLLM 30m model's heads;
+                                            # "xla,decode-ops": its decode rows as XLA ops, not the C++ kernel
 
 FLOPs count only what causality lets a query see (4 * head_dim * num_heads per visible KV position);
 bytes are the minimum traffic: q and out once, each sequence's K/V once per KV head.
@@ -52,6 +54,14 @@ TINY_MODEL_SCENARIOS = {
     "prefill-512@1k": ([512], [1024], 512, 64, 2048),
 }
 TINY_MODEL_HEADS = dict(num_heads=4, num_kv_heads=2, head_dim=32)
+# The vs-vLLM 30m Llama (GQA 8/4, head 64) as it serves the mixed workload at concurrency 16, budget 512,
+# max_model_len 1280: decode-only steps of 16 rows, and steps with a prompt chunk beside the decodes.
+LLAMA_30M_SCENARIOS = {
+    "decode-16@512-640": ([1] * 16, list(np.linspace(512, 639, 16, dtype=int)), 16, 16, 1280),
+    "decode-16@32-160": ([1] * 16, list(np.linspace(32, 159, 16, dtype=int)), 16, 16, 1280),
+    "mixed-15+497": ([1] * 15 + [497], list(np.linspace(512, 639, 15, dtype=int)) + [0], 512, 64, 1280),
+}
+LLAMA_30M_HEADS = dict(num_heads=8, num_kv_heads=4, head_dim=64)
 
 
 def median_seconds(fn: Callable[[], jax.Array], iters: int) -> float:
@@ -127,6 +137,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU run")
     parser.add_argument("--tiny-model", action="store_true",
                         help="the bundled tiny model's attention heads at engine sizes (CPU, ~1 minute)")
+    parser.add_argument("--llama-30m", action="store_true",
+                        help="the vs-vLLM 30m model's heads at its serving sizes (CPU, float32: pass --dtype)")
     parser.add_argument("--baseline", metavar="REV",
                         help="also time the XLA path of kernels/ragged_paged_attention.py at git revision REV")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -135,10 +147,13 @@ def main() -> None:
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
     on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not (args.small or args.tiny_model):
+    if not on_gpu and not (args.small or args.tiny_model or args.llama_30m):
         print("no GPU: running the --small shapes (the full ones would take hours on CPU)")
         args.small = True
-    if args.tiny_model:
+    if args.llama_30m:
+        scenarios, heads, iters = LLAMA_30M_SCENARIOS, LLAMA_30M_HEADS, 20
+        peak_n, peak_bytes = 512, 64 << 20
+    elif args.tiny_model:
         scenarios, heads, iters = TINY_MODEL_SCENARIOS, TINY_MODEL_HEADS, 10
         peak_n, peak_bytes = 512, 64 << 20
     elif args.small:
@@ -156,6 +171,8 @@ def main() -> None:
     paths = {"reference": jax.jit(ragged_paged_attention_reference),
              "xla": jax.jit(select_attention("xla")),
              "pallas": jax.jit(select_attention("pallas"))}
+    if not on_gpu:  # the decode rows through XLA ops instead of the C++ kernel that reads pages in place
+        paths["xla,decode-ops"] = jax.jit(functools.partial(select_attention("xla"), decode_kernel="xla"))
     if args.baseline:
         from baseline import module_at_revision
 

@@ -208,7 +208,8 @@ class Server:
         self.log.close()
 
 
-def start(engine: str, model: Path, args: argparse.Namespace, log: Path) -> Server:
+def start(engine: str, model: Path, args: argparse.Namespace, log: Path, env: dict[str, str] | None = None
+          ) -> Server:
     from jaxcpp.head.supervision import free_port
 
     port = free_port()
@@ -218,7 +219,7 @@ def start(engine: str, model: Path, args: argparse.Namespace, log: Path) -> Serv
         cmd = [sys.executable, "-m", "jaxcpp.serving.cli", "serve", "--model", str(model), "--served-model-name",
                model.name, "--no-enable-grpc", "--http-port", str(port), "--log-stats-interval-s", "0",
                "--kv-cache-memory-gb", "2", *common, *args.jaxcpp_args.split()]
-        return Server(cmd, port, None, log)
+        return Server(cmd, port, env, log)
     cmd = vllm_cmd(args.vllm_venv, "serve", str(model), "--served-model-name", model.name, "--port", str(port),
                    "--host", "127.0.0.1", "--uvicorn-log-level", "warning", *common, *args.vllm_args.split())
     return Server(cmd, port, vllm_env(), log)

@@ -6,14 +6,14 @@ Two offline scenarios, each one `generate` of greedy requests after a warm-up ge
   mixed:  `--batch` requests of 512 prompt tokens and 32 output tokens at budget 512 (steps carry
           prompt chunks beside the decodes of the prompts already in, then decodes).
 
-jaxcpp: under `jax.profiler.trace`; XLA:CPU records every thunk it runs (hlo_op, hlo_module), and
-each leaf thunk is put in a bucket: the sampler program; attention (anything inside the attention's
-own loops, i.e. a while nested in the layer scan's while); matmul (YNNPACK / dot thunks); KV write
-(scatter); other device work (norms, RoPE, SwiGLU, gathers, the attention's set-up outside its
-loops). Host = the generate's wall time minus the time some thunk ran (the engine loop, Python,
-dispatch, and idle). vLLM: under torch's profiler (vLLM's own `profiler_config`), its key-averages
-table's self CPU time bucketed by op name the same way. Times are per step (the step count comes
-from the engine: jaxcpp's submitted steps; vLLM's model forwards).
+jaxcpp: under `jax.profiler.trace`; XLA:CPU records every thunk it runs (hlo_op, hlo_module), and each
+leaf thunk is put in a bucket: the sampler program; attention (anything inside the attention's own
+loops, i.e. a while nested in the layer scan's while, and the C++ decode attention's FFI call); matmul
+(YNNPACK / dot thunks); KV write (scatter); other device work (norms, RoPE, SwiGLU, gathers, the
+attention's set-up outside its loops). Host = the generate's wall time minus the time some thunk ran
+(the engine loop, Python, dispatch, and idle). vLLM: under torch's profiler (vLLM's own
+`profiler_config`), its key-averages table's self CPU time bucketed by op name the same way. Times are
+per step (the step count comes from the engine: jaxcpp's submitted steps; vLLM's model forwards).
 
     .venv/bin/python benchmarks/vs_vllm_profile.py --model /tmp/vsv/models/30m
     .venv/bin/python benchmarks/vs_vllm_profile.py --model /tmp/vsv/models/30m --engine vllm
@@ -73,7 +73,7 @@ def classify_thunks(xplane: str) -> dict[str, float]:
                     continue
                 if "sample" in module:
                     kind = "sampler"
-                elif whiles >= 2:
+                elif whiles >= 2 or op.startswith("ffi_call"):  # the attention's loops; its C++ decode call
                     kind = "attention"
                 elif op.startswith(("ynn", "xnn", "dot", "onednn")) or "dot" in op:
                     kind = "matmul"
