@@ -5,9 +5,10 @@
 // operand, each layer, each step (and transposes it for its batched dot); this kernel reads each row's
 // K and V once, from the cache itself, as vLLM's CPU attention does.
 //
-// One task per (decode row, KV head): its `group` query heads score every visible position, then a
-// softmax over the whole row (max, exp, sum: two passes over a row's scores, one over its K and one over
-// its V) and the probability-weighted sum of V. fp32 throughout. A row's result depends on its own
+// One task per decode row, all its KV heads at once (a position's K, and its V, of every head lie
+// together in the page): each query head scores every visible position, then a softmax over the whole
+// row (max, exp, sum: two passes over a row's scores, one over its K and one over its V) and the
+// probability-weighted sum of V. fp32 throughout. A row's result depends on its own
 // inputs only, never on the rows beside it. Tasks are shared with XLA's intra-op thread pool: the
 // calling thread claims tasks too and only waits for tasks other threads are running, so a pool whose
 // threads are all busy cannot stall it.
