@@ -413,7 +413,7 @@ def check_latent_inputs(q_a: jax.Array, q_rope: jax.Array, latent_pages: jax.Arr
 def _check_metadata(q: jax.Array, latent_pages: jax.Array, md: AttentionMetadata) -> None:
     """The ragged metadata contract (shapes against q's T), checked as for one KV head of q's width."""
     pages = jax.ShapeDtypeStruct((*latent_pages.shape[:2], 1, q.shape[-1]), latent_pages.dtype)
-    check_inputs(q, pages, pages, md)  # type: ignore[arg-type]  # only shapes are read
+    check_inputs(q, pages, pages, md)  # only shapes are read
 
 
 @functools.partial(

@@ -48,6 +48,7 @@ from jaxcpp.chunking.fitting import Rejection, fit_startup
 from jaxcpp.chunking.gate import SolePrefillGate
 from jaxcpp.chunking.latency_model import LatencyModel
 from jaxcpp.chunking.load import PrefillLoad
+from jaxcpp.chunking.mla_cost import MlaShape, planned_form
 from jaxcpp.chunking.optimal import plan_optimal
 from jaxcpp.chunking.planner import (
     ChunkSettings,
@@ -145,6 +146,12 @@ class DynamicChunkController:
             self._give_up(fit.reason)
             return
         self.set_startup_fit(*fit)
+
+    def plan_mla_prefill(self, shape: MlaShape, rebuild_weight: float) -> None:
+        """An MLA model's stages attend prefill chunks by `rebuild_weight`'s rule: calibrate the latency
+        model of the form the chunks this controller plans will take (`set_prefill_form`)."""
+        if self.state == ChunkingState.CALIBRATING:
+            self.set_prefill_form(planned_form(shape, rebuild_weight, (self.quarter_base, self.settings.budget)))
 
     def set_prefill_form(self, form: str) -> None:
         """An MLA model's: how the chunks it plans attend (`jaxcpp.chunking.mla_cost.planned_form`):

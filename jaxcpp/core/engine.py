@@ -28,7 +28,7 @@ import random
 import time
 
 from jaxcpp.chunking.controller import DynamicChunkController
-from jaxcpp.chunking.mla_cost import MlaShape, planned_form
+from jaxcpp.chunking.mla_cost import MlaShape
 from jaxcpp.config import EngineConfig, SchedulerConfig
 from jaxcpp.core.constrained import ConstrainedDecoding
 from jaxcpp.core.disaggregation import KVConsumer, KVProducer, check_kv_transfer
@@ -46,7 +46,7 @@ from jaxcpp.core.stats_logger import StatsLogger
 from jaxcpp.core.step_input import StepInput, build_step_input, failing_chunks
 from jaxcpp.errors import InvalidRequestError
 from jaxcpp.models.spec import ModelSpec, resolve_model_spec
-from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
+from jaxcpp.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,9 @@ class LLMEngine:
         self.executor: Executor = executor
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.chunking = self._build_chunk_controller()  # None: fixed chunks (Sarathi's rule)
+        self._stop_rule = StopRule(self.sizing.eos_token_ids, self.sizing.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.sizing.page_size, self.chunking,
-                                   StopRule(self.sizing.eos_token_ids, self.sizing.max_model_len),
-                                   prefix_caching=config.cache.enable_prefix_caching)
+                                   self._stop_rule, prefix_caching=config.cache.enable_prefix_caching)
         self.warmup_seconds = self.executor.warmup(self.sizing.shape)
         if self.chunking is not None:
             self.chunking.run_startup_sweep(self.executor.time_attention_free_forward)
@@ -105,10 +105,8 @@ class LLMEngine:
             return None
         controller = DynamicChunkController.from_config(self.config, allowed_sizes=tuple(self.sizing.token_buckets),
                                                         max_model_len=self.sizing.max_model_len)
-        weight = self.executor.mla_rebuild_weight
-        if weight is not None and controller.state == "calibrating":  # the latency model of the form that runs
-            chunks = (controller.quarter_base, controller.settings.budget)
-            controller.set_prefill_form(planned_form(MlaShape.of(self.sizing.spec.config), weight, chunks))
+        if (weight := self.executor.mla_rebuild_weight) is not None:  # calibrate the form the stages run
+            controller.plan_mla_prefill(MlaShape.of(self.sizing.spec.config), weight)
         return controller
 
     def attach_remote_prefill(self, remote: RemotePrefill) -> None:
@@ -144,7 +142,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seq = Sequence(request_id, token_ids, params, seed,
                        RequestMetrics(arrival_time if arrival_time is not None else time.monotonic()),
-                       banned_ids=self._banned_ids(params), group=group, kv_transfer=kv_transfer)
+                       banned_ids=self._stop_rule.banned_ids(params, self.sizing.spec.config.vocab_size),
+                       group=group, kv_transfer=kv_transfer)
         if params.structured_outputs is not None:
             self._constrained.add(seq)  # its grammar compiles in the pool: it waits for it in the scheduler
         if self._consumer is not None and not params.reads_history_on_device and seq.grammar is None:
@@ -152,19 +151,6 @@ class LLMEngine:
         else:  # and on a consumer, a request whose prompt must pass its own device (penalties, prompt logprobs)
             # or whose first token its own grammar masks (a constrained one)
             self.scheduler.add(seq)
-
-    def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids):
-        only ids of the vocabulary, since no other can be sampled (and the device indexes by them)."""
-        if params.min_tokens == 0:
-            return ()
-        eos = () if params.ignore_eos else self.sizing.eos_token_ids
-        vocab = self.sizing.spec.config.vocab_size
-        banned = tuple(dict.fromkeys(t for t in (*eos, *params.stop_token_ids) if 0 <= t < vocab))
-        if len(banned) > MAX_BANNED_IDS:
-            raise InvalidRequestError("stop_token_ids", f"with min_tokens, at most {MAX_BANNED_IDS} stop ids "
-                                      f"(EOS included) can be held back; got {len(banned)}")
-        return banned
 
     def _encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxcpp.core.sequence import Sequence
+from jaxcpp.errors import InvalidRequestError
+from jaxcpp.sampling_params import MAX_BANNED_IDS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,3 +31,15 @@ class StopRule:
         """Done by length (its max_tokens, or the model's) once `ahead` more tokens are back."""
         return (len(seq.output_token_ids) + ahead >= seq.params.max_tokens
                 or (self.max_model_len is not None and seq.num_tokens + ahead >= self.max_model_len))
+
+    def banned_ids(self, params: SamplingParams, vocab_size: int) -> tuple[int, ...]:
+        """The stop ids min_tokens keeps the device from sampling (EOS unless ignored, stop_token_ids):
+        only ids of the vocabulary, since no other can be sampled (and the device indexes by them)."""
+        if params.min_tokens == 0:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        banned = tuple(dict.fromkeys(t for t in (*eos, *params.stop_token_ids) if 0 <= t < vocab_size))
+        if len(banned) > MAX_BANNED_IDS:
+            raise InvalidRequestError("stop_token_ids", f"with min_tokens, at most {MAX_BANNED_IDS} stop ids "
+                                      f"(EOS included) can be held back; got {len(banned)}")
+        return banned
