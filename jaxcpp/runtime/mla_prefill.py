@@ -10,7 +10,7 @@ and budget tokens after a prefix of one budget (median of 3 after a warm-up), an
 that sorts those points as measured (`fit_rebuild_weight`). The weight is a constant of the stage's
 programs, fixed before they compile: one program per bucket, whatever was measured.
 
-    weight = rebuild_weight(mode, config, device, budget, page_size)   # 1.0, inf, 0.0, or measured
+    weight = rebuild_weight(mode, config, device, budget, page_size, backend)   # 1.0, inf, 0.0, or measured
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcpp.chunking.mla_cost import FormTiming, MlaShape, fit_rebuild_weight, fixed_rebuild_weight, prefer_rebuild
+from jaxcpp.kernels.backend import resolve_backend, select_mla_absorbed
 from jaxcpp.kernels.metadata import AttentionMetadata
-from jaxcpp.kernels.mla_attention import mla_attention_xla
+from jaxcpp.kernels.mla_attention import AbsorbedFn, mla_absorbed_xla, mla_attention_xla
 from jaxcpp.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ def _one_sequence(prefix_len: int, chunk: int, page_size: int) -> AttentionMetad
 
 
 def time_forms(config: ModelConfig, device: jax.Device, prefix_len: int, chunk: int, page_size: int,
-               dtype: jnp.dtype) -> FormTiming:
-    """Median seconds of one layer's MLA attention for the chunk, absorbed and rebuilt, on `device`."""
+               dtype: jnp.dtype, absorbed: AbsorbedFn = mla_absorbed_xla) -> FormTiming:
+    """Median seconds of one layer's MLA attention for the chunk, absorbed (by `absorbed`, the stage's
+    own op) and rebuilt, on `device`."""
     c = config
     rng = np.random.default_rng(0)
     pages_needed = 1 + -(-(prefix_len + chunk) // page_size)
@@ -59,13 +61,12 @@ def time_forms(config: ModelConfig, device: jax.Device, prefix_len: int, chunk: 
     heads = c.num_attention_heads
     args = (rand(chunk, heads, c.qk_nope_head_dim), rand(chunk, heads, c.qk_rope_head_dim),
             rand(pages_needed, page_size, c.kv_lora_rank + c.qk_rope_head_dim),
-            rand(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim),
-            rand(c.kv_lora_rank, c.num_attention_heads, c.v_head_dim),
+            rand(c.kv_lora_rank, heads, c.qk_nope_head_dim), rand(c.kv_lora_rank, heads, c.v_head_dim),
             jax.device_put(_one_sequence(prefix_len, chunk, page_size), device))
     seconds = []
     for rebuild in (False, True):
         fn = jax.jit(lambda *a, rebuild=rebuild: mla_attention_xla(*a, sm_scale=c.qk_head_dim ** -0.5,
-                                                                   rebuild_prefill=rebuild))
+                                                                   rebuild_prefill=rebuild, absorbed=absorbed))
         fn(*args).block_until_ready()  # compile and warm up
         runs = []
         for _ in range(REPEATS):
@@ -76,17 +77,19 @@ def time_forms(config: ModelConfig, device: jax.Device, prefix_len: int, chunk: 
     return FormTiming(prefix_len, chunk, *seconds)
 
 
-def rebuild_weight(mode: str, config: ModelConfig, device: jax.Device, budget: int, page_size: int) -> float:
+def rebuild_weight(mode: str, config: ModelConfig, device: jax.Device, budget: int, page_size: int,
+                   backend: str = "xla") -> float:
     """The weight `--mla-prefill mode` gives the rebuild: fixed (flops 1, absorbed inf, rebuilt 0), or
-    for auto measured on `device` (see the module docstring). Logs what it chose and why."""
+    for auto measured on `device` against the absorbed op `--attention-backend` gives the stages (see the
+    module docstring). Logs what it chose and why."""
     fixed = fixed_rebuild_weight(mode)
     shape = MlaShape.of(config)
     if fixed is not None:
         weight, how = fixed, f"--mla-prefill {mode}"
     else:
-        key = (shape, config.dtype, device.platform, budget, page_size)
+        key = (shape, config.dtype, device.platform, budget, page_size, resolve_backend(backend))
         if key not in _MEASURED:
-            _MEASURED[key] = _measure(config, shape, device, budget, page_size)
+            _MEASURED[key] = _measure(config, shape, device, budget, page_size, select_mla_absorbed(backend))
         weight, how = _MEASURED[key]
     chunks = [budget // s for s in CHUNK_SHARES]
     rebuilds = [x for x in chunks if prefer_rebuild(shape, budget, x, weight)]
@@ -96,11 +99,11 @@ def rebuild_weight(mode: str, config: ModelConfig, device: jax.Device, budget: i
     return weight
 
 
-def _measure(config: ModelConfig, shape: MlaShape, device: jax.Device, budget: int, page_size: int
-             ) -> tuple[float, str]:
+def _measure(config: ModelConfig, shape: MlaShape, device: jax.Device, budget: int, page_size: int,
+             absorbed: AbsorbedFn) -> tuple[float, str]:
     start = time.perf_counter()
-    timings = [time_forms(config, device, budget, max(budget // share, 1), page_size, jnp.dtype(config.dtype))
-               for share in CHUNK_SHARES]
+    timings = [time_forms(config, device, budget, max(budget // share, 1), page_size, jnp.dtype(config.dtype),
+                          absorbed) for share in CHUNK_SHARES]
     points = ", ".join(f"{t.chunk} after {t.prefix_len}: absorbed {t.absorbed_s * 1e3:.1f} ms, rebuilt "
                        f"{t.rebuilt_s * 1e3:.1f} ms" for t in timings)
     how = f"measured on {device.platform} in {time.perf_counter() - start:.1f}s ({points})"

@@ -73,10 +73,11 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
     enable_compilation_cache()
     params = load_stage_params(sizing.spec, layers, index == 0, index == num_stages - 1, config.model.quantization)
     model = sizing.spec.config
+    backend = config.model.attention_backend
     weight = (rebuild_weight(config.model.mla_prefill, model, mesh.devices.flat[0], sizing.token_buckets[-1],
-                             sizing.page_size) if model.is_mla else 1.0)
+                             sizing.page_size, backend) if model.is_mla else 1.0)
     stage = Stage(index, num_stages, mesh, model, params, layers, sizing.num_pages, sizing.page_size,
-                  model_attention(model, config.model.attention_backend, weight), sizing.shape.max_num_seqs,
+                  model_attention(model, backend, weight), sizing.shape.max_num_seqs,
                   sizing.token_buckets[-1], kv_cache_settings(config, sizing, layers), config.model.layer_weights,
                   weight)
     weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(params))
