@@ -43,7 +43,7 @@ from jaxcpp.models.config import LlamaConfig
 from jaxcpp.models.layers import INIT_STD, MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
 from jaxcpp.models.mla import DeepseekMoE, MLAttention, dense_attend, mla_attention_fn, paged_mla_attention
 from jaxcpp.models.moe import ExpertsFn, MoEBlock, grouped_experts
-from jaxcpp.models.runs import Run, is_moe_run, num_layers_of, run_length, runs_of
+from jaxcpp.models.runs import Layers, Run, is_moe_run, num_layers_of, run_length, runs_of
 
 __all__ = ["INIT_STD", "MLP", "RMSNorm", "apply_rope", "rope_inv_freq"]  # re-exported: their old home
 
@@ -229,7 +229,7 @@ def _write_layer_kv(
 
 
 def run_layers(
-    layer_params: Run | list[Run],  # {...: [L, ...]} (or runs of them, each maybe per layer): all layers or a stage's
+    layer_params: Layers,  # {...: [L, ...]} (or runs of them, each maybe per layer): all layers or a stage's
     hidden: jax.Array,  # [T, D]
     kv: KVCache,  # pages of exactly these L layers
     md: AttentionMetadata,

@@ -17,6 +17,9 @@ Params = dict[str, Any]
 # A run of alike layers is a stacked tree ({...: [L, ...]}, run under one `lax.scan`) or, as a CPU stage
 # holds it (`unstack_layers`), a list of one params tree per layer (run one after the other).
 Run = Params | list[Params]
+# A stage's `params["layers"]`: one stacked run, or a list of runs (a list of dicts is never one bare
+# per-layer run: `unstack_layers` makes a list of runs, each a list).
+Layers = Params | list[Run]
 
 
 def is_moe_run(run: Run) -> bool:
@@ -24,12 +27,12 @@ def is_moe_run(run: Run) -> bool:
     return "experts" in (run[0] if isinstance(run, list) else run)["mlp"]
 
 
-def runs_of(layer_params: Run | list[Run]) -> list[Run]:
+def runs_of(layer_params: Layers) -> list[Run]:
     """The runs of alike layers: a stacked tree is one run; a list holds runs."""
     return layer_params if isinstance(layer_params, list) else [layer_params]
 
 
-def unstack_layers(layer_params: Run | list[Run]) -> list[list[Params]]:
+def unstack_layers(layer_params: Layers) -> list[list[Params]]:
     """Stacked runs -> each run a list of one params tree per layer, each leaf an array of its own.
 
     XLA:CPU copies a layer's weights out of the stacked arrays before it multiplies (the scan's dynamic
@@ -42,7 +45,7 @@ def unstack_layers(layer_params: Run | list[Run]) -> list[list[Params]]:
             for run in runs_of(layer_params)]
 
 
-def num_layers_of(layer_params: Run | list[Run]) -> int:
+def num_layers_of(layer_params: Layers) -> int:
     return sum(run_length(run) for run in runs_of(layer_params))
 
 
