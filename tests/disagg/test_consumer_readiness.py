@@ -19,7 +19,7 @@ from jaxcpp import LLM
 from jaxcpp.config import ServerConfig
 from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.lifecycle import ServerThread
-from tests.disagg.test_disaggregation import PRODUCER, consumer_server
+from tests.disagg.support import PRODUCER, consumer_server
 from tests.pipeline.conftest import ENGINE_DEFAULTS, write_random_model
 
 pytestmark = pytest.mark.slow

@@ -24,12 +24,20 @@ from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 from jaxcpp.serving.lifecycle import ServerThread
+from tests.disagg.support import (
+    CONSUMER,
+    PRODUCER,
+    assert_no_pages_held,
+    colocated_tokens,
+    consumer_server,
+    engine,
+    pulls,
+    raw_stream,
+)
 from tests.pipeline.conftest import ENGINE_DEFAULTS, write_random_model
 
 pytestmark = pytest.mark.slow
 
-PRODUCER = '{"kv_role": "kv_producer", "kv_connector_extra_config": {"transfer_timeout_s": 3}}'
-CONSUMER = '{"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": 2}}'
 # chunked prefill: prompts up to 150 tokens with a 64-token budget
 PROMPTS = [[(7 * i + 3 * j) % 120 + 2 for j in range(n)] for i, n in enumerate([5, 40, 150, 17, 90, 64])]
 
@@ -46,69 +54,6 @@ def producer(model: str) -> Iterator[ServerThread]:
     server = ServerThread(llm.engine, ServerConfig(port=0, http_port=0)).start()
     yield server
     server.stop(grace=0)
-
-
-def consumer_server(model: str, prefill_servers: str, **kwargs: Any) -> ServerThread:
-    llm = LLM(model=model, **{**ENGINE_DEFAULTS, **kwargs}, kv_transfer_config=CONSUMER,
-              prefill_servers=prefill_servers)
-    return ServerThread(llm.engine, ServerConfig(port=0, http_port=0)).start()
-
-
-@pytest.fixture(scope="module")
-def consumer(model: str, producer: ServerThread) -> Iterator[ServerThread]:
-    server = consumer_server(model, f"127.0.0.1:{producer.port}")
-    yield server
-    server.stop(grace=0)
-
-
-@pytest.fixture(scope="module")
-def colocated(model: str) -> LLM:
-    return LLM(model=model, **ENGINE_DEFAULTS)
-
-
-@pytest.fixture
-def client(consumer: ServerThread, producer: ServerThread) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{consumer.port}", timeout=60) as c:
-        yield c
-    assert_no_pages_held(consumer, producer)
-
-
-def engine(server: ServerThread) -> Any:
-    return server.server.engine_loop.engine
-
-
-def assert_no_pages_held(*servers: ServerThread) -> None:
-    """Nothing leaks: every page of every instance is free (or only cached) once the requests are done."""
-    for server in servers:
-        deadline = time.monotonic() + 10
-        while (stats := engine(server).stats()).num_pages_used and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stats.num_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0, stats
-
-
-def colocated_tokens(llm: LLM, prompts: list[list[int]], **sampling: Any) -> list[list[int]]:
-    params = SamplingParams(max_tokens=12, temperature=0, **sampling)
-    return [out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-
-
-def raw_stream(client: Client, prompt: list[int], **sampling: Any) -> list[pb.GenerateResponse]:
-    """Every sampling field the server takes (the client's helpers take the common ones)."""
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(**sampling))
-    return list(client._stub.Generate(request, timeout=60))
-
-
-def pulls(consumer: ServerThread) -> list[Any]:
-    """Spy on the consumer's pulls: every offer it pulls is recorded."""
-    executor = engine(consumer).executor
-    seen: list[Any] = []
-    real = executor.pull_kv
-
-    def spy(offer: Any, transfer_id: int) -> Any:
-        seen.append(offer)
-        return real(offer, transfer_id)
-
-    executor.pull_kv = spy
-    return seen
 
 
 def test_greedy_tokens_match_a_colocated_engine(client, consumer, producer, colocated):

@@ -20,7 +20,7 @@ from jaxcpp.serving import Client, ClientError
 from jaxcpp.serving.gen import jaxcpp_pb2 as pb
 from jaxcpp.serving.gen import jaxcpp_pb2_grpc as pb_grpc
 from jaxcpp.serving.lifecycle import ServerThread
-from tests.disagg.test_disaggregation import (
+from tests.disagg.support import (
     PRODUCER,
     assert_no_pages_held,
     colocated_tokens,
@@ -53,25 +53,6 @@ def producer(model: str) -> Iterator[ServerThread]:
     server = ServerThread(llm.engine, ServerConfig(port=0, http_port=0)).start()
     yield server
     server.stop(grace=0)
-
-
-@pytest.fixture(scope="module")
-def consumer(model: str, producer: ServerThread) -> Iterator[ServerThread]:
-    server = consumer_server(model, f"127.0.0.1:{producer.port}")
-    yield server
-    server.stop(grace=0)
-
-
-@pytest.fixture(scope="module")
-def colocated(model: str) -> LLM:
-    return LLM(model=model, **ENGINE_DEFAULTS)
-
-
-@pytest.fixture
-def client(consumer: ServerThread, producer: ServerThread) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{consumer.port}", timeout=60) as c:
-        yield c
-    assert_no_pages_held(consumer, producer)
 
 
 def test_latent_pages_cross_and_give_a_colocated_engines_tokens(client, consumer, producer, colocated):
