@@ -18,6 +18,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -49,6 +50,30 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// exp(x) for x <= 0 (a score minus its row's max), within 2 ulp of std::exp: Cephes' expf (x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n built in the exponent bits), written so that the
+// compiler vectorizes the softmax loop over it; std::exp is a library call per element and was the
+// largest part of a small-head row (head_dim 32: one exp per 64 multiply-adds). Below -87.3 (2^-126,
+// the smallest normal float) it returns that instead of underflowing further: a term of 1e-38 beside
+// the max's own term of 1 changes no float32 sum.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;  // ln 2 in two parts (Cody-Waite), exact in n * hi
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
 // Row `row`: out[row] = softmax(q k^T) v over the row's visible positions, every KV head at once, so that
 // each position's K (then V) of all heads, contiguous in the page, is read in one sweep.
 template <int64_t kHeadDim>
@@ -77,10 +102,12 @@ void attend(const Problem& p, int64_t row) {
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores.data() + h * len;
     float max = -INFINITY;
+#pragma omp simd reduction(max : max)
     for (int64_t j = 0; j < len; ++j) max = std::max(max, s[j]);
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < len; ++j) {
-      s[j] = std::exp(s[j] - max);
+      s[j] = exp_nonpositive(s[j] - max);
       sum += s[j];
     }
     denom[h] = sum;  // >= 1: the max's own term is exp(0)
