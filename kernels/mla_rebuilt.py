@@ -18,12 +18,13 @@ block. So the work splits where the tools differ:
   blocks of `block_q` tokens over the whole step, heads); a program owns one head's `block_q` rows
   (q/k dots are 2-D in Triton, and every head has its own K). Rows outside the sequence, and positions
   a row may not see (causal, or past the context), are masked; a program with nothing to see (a block
-  of other sequences, or before the KV block: the causal skip) runs zero inner steps and writes its
-  state back unchanged. The state is updated in place (`input_output_aliases`) across the launches of
-  all sequences and blocks (their rows are disjoint); `acc / denom` once at the end, decode and padding
-  rows 0. Inside a program the block is walked in tiles of `block_kv` positions, no further than the
-  program's last row sees. Scores are q_nope · k_nope + q_rope · k_rope (two dots, so dn = 128 and dr =
-  64 stay powers of two where dn + dr = 192 is not).
+  of other sequences, or before the KV block: the causal skip) neither reads nor writes its state
+  (`pl.when`; the aliased buffer keeps it: idle programs move no memory). The state is updated in
+  place (`input_output_aliases`) across the launches of all sequences and blocks (their rows are
+  disjoint); `acc / denom` once at the end, decode and padding rows 0. Inside a program the block is
+  walked in tiles of `block_kv` positions, no further than the program's last row sees. Scores are
+  q_nope · k_nope + q_rope · k_rope (two dots, so dn = 128 and dr = 64 stay powers of two where dn + dr
+  = 192 is not).
 
 Dtypes: the rebuild accumulates in fp32 (as the XLA path), then K/V (and the scaled queries) are cast to
 the model's dtype for the kernel's dots, which accumulate in fp32 (flash attention's practice: bf16
@@ -87,29 +88,34 @@ def _fold_kernel(
     in_seq = (row_token >= lo) & (row_token < hi)
     visible = jnp.where(in_seq, jnp.clip(first_pos + row_token - q_start + 1 - kv_start, 0, block_tokens), 0)
     kv_offsets = jnp.arange(block_kv, dtype=jnp.int32)[None, :]
-    q_nope, q_rope = q_nope_ref[...], q_rope_ref[...]
     dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
     contract = (((1,), (1,)), ((), ()))
 
-    def visit_kv_tile(j: Array, carry: Any) -> Any:
-        m, denom, acc = carry
-        tile = pl.ds(j * block_kv, block_kv)
-        k_nope, k_rope, v = k_nope_ref[tile, :], k_rope_ref[tile, :], v_ref[tile, :]
-        scores = dot(q_nope, k_nope, contract) + dot(q_rope, k_rope, contract)  # [block_q, block_kv]
-        mask = j * block_kv + kv_offsets < visible
-        scores = jnp.where(mask, scores, MASK_VALUE)
-        m_new = jnp.maximum(m, scores.max(axis=1))
-        correction = jnp.exp(m - m_new)  # rows this tile leaves untouched keep m, so 1
-        p = jnp.where(mask, jnp.exp(scores - m_new[:, None]), 0.0)
-        denom = denom * correction + p.sum(axis=1)
-        pv = dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
-        return m_new, denom, acc * correction[:, None] + pv
+    # A program with nothing to see neither reads nor writes its state: the aliased buffer keeps it (most
+    # programs of a launch are idle; writing their [block_q, dv] back would move the whole state a launch).
+    @pl.when(kv_end > 0)
+    def fold_block() -> None:
+        q_nope, q_rope = q_nope_ref[...], q_rope_ref[...]
 
-    m, denom, acc = lax.fori_loop(0, pl.cdiv(kv_end, block_kv), visit_kv_tile,
-                                  (m_in_ref[...], denom_in_ref[...], acc_in_ref[...]))
-    m_ref[...] = m
-    denom_ref[...] = denom
-    acc_ref[...] = acc
+        def visit_kv_tile(j: Array, carry: Any) -> Any:
+            m, denom, acc = carry
+            tile = pl.ds(j * block_kv, block_kv)
+            k_nope, k_rope, v = k_nope_ref[tile, :], k_rope_ref[tile, :], v_ref[tile, :]
+            scores = dot(q_nope, k_nope, contract) + dot(q_rope, k_rope, contract)  # [block_q, block_kv]
+            mask = j * block_kv + kv_offsets < visible
+            scores = jnp.where(mask, scores, MASK_VALUE)
+            m_new = jnp.maximum(m, scores.max(axis=1))
+            correction = jnp.exp(m - m_new)  # rows this tile leaves untouched keep m, so 1
+            p = jnp.where(mask, jnp.exp(scores - m_new[:, None]), 0.0)
+            denom = denom * correction + p.sum(axis=1)
+            pv = dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+            return m_new, denom, acc * correction[:, None] + pv
+
+        m, denom, acc = lax.fori_loop(0, pl.cdiv(kv_end, block_kv), visit_kv_tile,
+                                      (m_in_ref[...], denom_in_ref[...], acc_in_ref[...]))
+        m_ref[...] = m
+        denom_ref[...] = denom
+        acc_ref[...] = acc
 
 
 def _fold(q_nope: Array, q_rope: Array, k_nope: Array, k_rope: Array, v: Array, state: State, bounds: Array, *,
