@@ -107,3 +107,26 @@ def test_kernel_lowers_to_triton(platform):
     args = (b["q_nope"], b["q_rope"], b["pages"], b["w_uk"], b["w_uv"][..., :16], b["md"])
     fn = jax.jit(functools.partial(mla_prefill_rebuilt_attention, sm_scale=SM_SCALE, block_q=16, block_kv=16))
     assert "xla.gpu.triton" in fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("block_q", [16, 64])
+def test_rebuild_runs_once_per_kv_block_whatever_the_query_blocks(monkeypatch, block_q):
+    """The property the cost model (W·(L + x), jaxcpp.chunking.mla_cost) rests on: the kv_b_proj rebuild
+    runs once per KV block of each prefill sequence, not once per query block. 63 new tokens after 250
+    cached, 48-position blocks: ceil(313 / 48) = 7 rebuilds, in 1 query block or 4."""
+    from jaxcpp.kernels import mla_rebuilt
+
+    runs = []
+    rebuild = mla_rebuilt._rebuild_block
+
+    def counted(*args):
+        jax.debug.callback(lambda: runs.append(1))
+        return rebuild(*args)
+
+    monkeypatch.setattr(mla_rebuilt, "_rebuild_block", counted)
+    mla_rebuilt.mla_prefill_rebuilt_attention.clear_cache()
+    b = mla_batch([1, 63], [40, 250])  # the decode rebuilds nothing
+    out = kernel_out(b, block_q=block_q, block_kv=16, kv_block_tokens=48)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert len(runs) == 7
