@@ -16,8 +16,9 @@ model never learns which one it got, and each is safe to call inside `jax.jit`.
 - "auto": "pallas" when `jax.default_backend() == "gpu"`, else "xla".
 
 An MLA model (DeepSeek) attends over latent pages: `select_mla_absorbed` picks its absorbed form the same
-way (`mla_absorbed_attention`, the Pallas kernel, or `mla_absorbed_xla`); its rebuilt prefill form is
-the XLA path on every backend (`kernels/mla_attention.py`).
+way (`mla_absorbed_attention`, the Pallas kernel, or `mla_absorbed_xla`), `select_mla_rebuilt` its
+rebuilt prefill form (`mla_prefill_rebuilt_attention`: the rebuild an XLA GEMM, the attention a Pallas
+kernel, `kernels/mla_rebuilt.py`; or `mla_prefill_rebuilt_xla`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ import functools
 import jax
 
 from jaxcpp.kernels.metadata import AttentionFn
-from jaxcpp.kernels.mla_attention import AbsorbedFn, mla_absorbed_attention, mla_absorbed_xla
+from jaxcpp.kernels.mla_attention import (
+    AbsorbedFn,
+    RebuiltFn,
+    mla_absorbed_attention,
+    mla_absorbed_xla,
+    mla_prefill_rebuilt_xla,
+)
+from jaxcpp.kernels.mla_rebuilt import mla_prefill_rebuilt_attention
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
@@ -74,3 +82,11 @@ def select_mla_absorbed(backend: str, *, interpret: bool | None = None) -> Absor
         return mla_absorbed_xla
     interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
     return functools.partial(mla_absorbed_attention, interpret=interpret)
+
+
+def select_mla_rebuilt(backend: str, *, interpret: bool | None = None) -> RebuiltFn:
+    """The rebuilt MLA prefill op for `--attention-backend` (`select_attention`'s rule)."""
+    if resolve_backend(backend) == "xla":
+        return mla_prefill_rebuilt_xla
+    interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
+    return functools.partial(mla_prefill_rebuilt_attention, interpret=interpret)

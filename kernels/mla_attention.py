@@ -20,14 +20,18 @@ Two ways to attend, the same math (tested equal to float32 rounding):
   whole context (cached prefix + chunk) are rebuilt from the latent ONCE (`kv_b_proj`: 2·r·H·(dn + dv)
   FLOPs a token), then its queries attend causally with head dims dn + dr for q/k and dv for v, 2·H·(dn
   + dr + dv) FLOPs a pair. The rebuild is the γ·L term of the latency model; it pays off once a chunk
-  is long enough that the cheaper pairs outweigh it (`jaxcpp.chunking.mla_cost`).
+  is long enough that the cheaper pairs outweigh it (`jaxcpp.chunking.mla_cost`). Its Pallas twin
+  (`kernels/mla_rebuilt.py: mla_prefill_rebuilt_attention`) keeps the rebuild an XLA GEMM, once per KV
+  block, and folds each rebuilt block into the online softmax with a Pallas kernel (q/k head dim dn +
+  dr, v head dim dv: what the ragged kernel cannot serve).
 
 `mla_attention_xla` joins them for a step: decodes absorbed, prefill chunks absorbed or rebuilt as the
-caller chooses. FP8 pages (`--kv-cache-dtype fp8*`): one scale per layer for the whole latent row;
-writes quantize (`quantize_kv`), reads dequantize (folded into the score and output multipliers in the
-absorbed form, into the rebuild in the rebuilt one).
+caller chooses, each form by the op it is given (XLA or Pallas: `kernels/backend.py`). FP8 pages
+(`--kv-cache-dtype fp8*`): one scale per layer for the whole latent row; writes quantize (`quantize_kv`),
+reads dequantize (folded into the score and output multipliers in the absorbed form, into the rebuild
+in the rebuilt one).
 
-The Pallas kernel (absorbed form, GPU/ROCm through Triton, anywhere with `interpret=True`) is the ragged
+The Pallas kernel here (absorbed form, GPU/ROCm through Triton, anywhere with `interpret=True`) is the ragged
 paged attention kernel's algorithm (see that file and docs/kernels.md) with one KV head: grid = (query
 blocks of `block_q` tokens, head blocks of `block_h` heads), a program owns `block_q * block_h` rows
 (token-major) and walks the sequences its block touches, their KV blocks of `pages_per_block` pages,
@@ -65,6 +69,9 @@ Array = jax.Array
 # (q_latent [T, H, r], q_rope [T, H, dr], latent_pages, md, latent_scale, *, sm_scale) -> [T, H, r]:
 # `mla_absorbed_xla`, or the Pallas kernel (`mla_absorbed_attention`; kernels.backend.select_mla_absorbed)
 AbsorbedFn = Callable[..., Array]
+# (q_nope [T, H, dn], q_rope, latent_pages, w_uk, w_uv, md, latent_scale, *, sm_scale) -> [T, H, dv]:
+# `mla_prefill_rebuilt_xla`, or its Pallas twin (`kernels/mla_rebuilt.py`; kernels.backend.select_mla_rebuilt)
+RebuiltFn = Callable[..., Array]
 DEFAULT_REBUILD_BLOCK_Q = 64  # query tokens per block of the rebuilt form
 DEFAULT_REBUILD_KV_BLOCK_TOKENS = 128  # KV positions rebuilt / visited per inner step
 
@@ -155,14 +162,14 @@ def mla_absorbed_xla(
 # ------------------------------------------------------------------------------------- rebuilt form
 
 
-def _rebuild_block(latent_pages: Array, pages: Array, w_uk: Array, w_uv: Array, scale: Array) -> tuple[Array, Array]:
-    """Per-head K [n, H, dn + dr] and V [n, H, dv] of the latent rows in `pages` (fp32)."""
-    rank, num_heads = w_uk.shape[:2]
+def _rebuild_block(latent_pages: Array, pages: Array, w_uk: Array, w_uv: Array,
+                   scale: Array) -> tuple[Array, Array, Array]:
+    """The latent rows in `pages`, rebuilt (fp32): per-head k_nope [n, H, dn], the shared k_rope [n, dr]
+    (one for all heads, as stored) and per-head V [n, H, dv]. The kv_b_proj GEMM: 2·r·H·(dn + dv) a row."""
+    rank = w_uk.shape[0]
     rows = latent_pages[pages].reshape(-1, latent_pages.shape[-1]).astype(jnp.float32) * scale
-    c, k_rope = rows[:, :rank], rows[:, rank:]
-    k_rope = jnp.broadcast_to(k_rope[:, None, :], (rows.shape[0], num_heads, k_rope.shape[-1]))
-    return (jnp.concatenate([jnp.einsum("nr,rhd->nhd", c, w_uk), k_rope], axis=-1),
-            jnp.einsum("nr,rhd->nhd", c, w_uv))
+    c = rows[:, :rank]
+    return jnp.einsum("nr,rhd->nhd", c, w_uk), rows[:, rank:], jnp.einsum("nr,rhd->nhd", c, w_uv)
 
 
 def _rebuilt_sequence(q: Array, latent_pages: Array, pages_of_seq: Array, w_uk: Array, w_uv: Array, scale: Array,
@@ -184,8 +191,10 @@ def _rebuilt_sequence(q: Array, latent_pages: Array, pages_of_seq: Array, w_uk: 
              jnp.zeros((padded, num_heads, dv), jnp.float32))
 
     def kv_block(i: Array, state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-        k, v = _rebuild_block(latent_pages, lax.dynamic_slice_in_dim(pages_of_seq, i * block_pages, block_pages),
-                              w_uk, w_uv, scale)
+        k_nope, k_rope, v = _rebuild_block(
+            latent_pages, lax.dynamic_slice_in_dim(pages_of_seq, i * block_pages, block_pages), w_uk, w_uv, scale)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, None, :], (*k_nope.shape[:2], k_rope.shape[-1]))],
+                            axis=-1)
         # Query blocks before the one holding position i·block_tokens see none of this block.
         first_block = jnp.maximum(i * block_tokens - first_pos, 0) // block_q
 
@@ -258,17 +267,17 @@ def mla_attention_xla(
     sm_scale: float,
     rebuild_prefill: bool,
     absorbed: AbsorbedFn = mla_absorbed_xla,
+    rebuilt: RebuiltFn = mla_prefill_rebuilt_xla,
 ) -> jax.Array:  # [T, H, dv]
     """One step's MLA: decodes absorbed (`absorbed`: the XLA path or the Pallas kernel); prefill chunks
-    absorbed, or rebuilt on the XLA path when `rebuild_prefill` (the host's choice,
-    `jaxcpp.chunking.mla_cost.prefer_rebuild`, made per step)."""
+    absorbed, or rebuilt when `rebuild_prefill` (the host's choice, `jaxcpp.chunking.mla_cost.prefer_rebuild`,
+    made per step) by `rebuilt` (the XLA path or the Pallas one)."""
     absorbed_md = md._replace(num_seqs=md.num_decodes) if rebuild_prefill else md  # the rest: padding, 0
     latent = absorbed(absorb_queries(q_nope, w_uk), q_rope, latent_pages, absorbed_md, latent_scale,
                       sm_scale=sm_scale)
     out = project_values(latent, w_uv)
     if rebuild_prefill:
-        out = out + mla_prefill_rebuilt_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale,
-                                            sm_scale=sm_scale)
+        out = out + rebuilt(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale, sm_scale=sm_scale)
     return out
 
 
@@ -304,17 +313,19 @@ def mla_attention_auto(
     flops: tuple[float, float, float],  # (W, absorbed pair, rebuilt pair): jaxcpp.chunking.mla_cost.MlaShape's
     absorbed: AbsorbedFn = mla_absorbed_xla,
     rebuild_weight: float = 1.0,
+    rebuilt: RebuiltFn = mla_prefill_rebuilt_xla,
 ) -> jax.Array:  # [T, H, dv]
     """A step's MLA with the form of its prefill chunks chosen per step by weighted FLOPs
     (`rebuild_is_cheaper`): both forms are compiled into the one program, a `lax.cond` runs one; a
     weight of inf or 0 (`--mla-prefill absorbed` / `rebuilt`) compiles that form alone."""
     if rebuild_weight in (0.0, math.inf):
         return mla_attention_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale, sm_scale=sm_scale,
-                                 rebuild_prefill=rebuild_weight == 0.0, absorbed=absorbed)
+                                 rebuild_prefill=rebuild_weight == 0.0, absorbed=absorbed, rebuilt=rebuilt)
 
     def run(rebuild: bool) -> Any:
         return lambda: mla_attention_xla(q_nope, q_rope, latent_pages, w_uk, w_uv, md, latent_scale,
-                                         sm_scale=sm_scale, rebuild_prefill=rebuild, absorbed=absorbed)
+                                         sm_scale=sm_scale, rebuild_prefill=rebuild, absorbed=absorbed,
+                                         rebuilt=rebuilt)
 
     return lax.cond(rebuild_is_cheaper(md, *flops, rebuild_weight), run(True), run(False))
 

@@ -32,7 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcpp.chunking.mla_cost import MlaShape
-from jaxcpp.kernels.mla_attention import AbsorbedFn, mla_absorbed_xla, mla_attention_auto, write_latent_pages
+from jaxcpp.kernels.mla_attention import (
+    AbsorbedFn,
+    RebuiltFn,
+    mla_absorbed_xla,
+    mla_attention_auto,
+    mla_prefill_rebuilt_xla,
+    write_latent_pages,
+)
 from jaxcpp.models.config import ModelConfig
 from jaxcpp.models.layers import MLP, RMSNorm, _dense, apply_rope, rope_inv_freq
 from jaxcpp.models.moe import Experts, ExpertsFn, Kernel, grouped_experts
@@ -161,17 +168,18 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(*lead, heads * c.v_head_dim)), aux
 
 
-def mla_attention_fn(config: ModelConfig, absorbed: AbsorbedFn = mla_absorbed_xla,
-                     rebuild_weight: float = 1.0) -> Callable[..., jax.Array]:
+def mla_attention_fn(config: ModelConfig, absorbed: AbsorbedFn = mla_absorbed_xla, rebuild_weight: float = 1.0,
+                     rebuilt: RebuiltFn = mla_prefill_rebuilt_xla) -> Callable[..., jax.Array]:
     """The paged op an MLA layer attends with: (q_nope, q_pe, latent_pages, w_uk, w_uv, md[, scale])
     -> [T, H, dv], decodes absorbed (by `absorbed`: `jaxcpp.kernels.backend.select_mla_absorbed`) and
-    prefill chunks absorbed or rebuilt, whichever costs fewer FLOPs for the step, the rebuild's weighted
-    by `rebuild_weight` (`--mla-prefill`; 1: plain FLOPs; `jaxcpp.kernels.mla_attention.mla_attention_auto`)."""
+    prefill chunks absorbed or rebuilt (by `rebuilt`: `select_mla_rebuilt`), whichever costs fewer FLOPs
+    for the step, the rebuild's weighted by `rebuild_weight` (`--mla-prefill`; 1: plain FLOPs;
+    `jaxcpp.kernels.mla_attention.mla_attention_auto`)."""
     shape = MlaShape(config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim,
                      config.qk_rope_head_dim, config.v_head_dim)
     flops = (shape.kv_b_flops, shape.pair_flops("absorbed"), shape.pair_flops("rebuilt"))
     return functools.partial(mla_attention_auto, sm_scale=softmax_scale(config), flops=flops, absorbed=absorbed,
-                             rebuild_weight=rebuild_weight)
+                             rebuild_weight=rebuild_weight, rebuilt=rebuilt)
 
 
 def paged_mla_attention(k_pages: jax.Array, layer: jax.Array, md: Any, attention_fn: Callable[..., jax.Array],

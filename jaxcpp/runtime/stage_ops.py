@@ -27,7 +27,7 @@ from jaxcpp.config import EngineConfig, KVSettings
 from jaxcpp.core.kv_transfer import page_buckets
 from jaxcpp.core.sizing import EngineSizing
 from jaxcpp.core.step_input import StepShape
-from jaxcpp.kernels.backend import select_attention, select_mla_absorbed
+from jaxcpp.kernels.backend import select_attention, select_mla_absorbed, select_mla_rebuilt
 from jaxcpp.kernels.metadata import AttentionFn
 from jaxcpp.models.checkpoint import load_kv_scales, load_stage_params
 from jaxcpp.models.config import ModelConfig
@@ -95,10 +95,10 @@ def build_stage(index: int, num_stages: int, mesh: Mesh, config: EngineConfig, s
 
 def model_attention(model: ModelConfig, backend: str, mla_rebuild_weight: float = 1.0) -> AttentionFn:
     """`--attention-backend`'s op for the model's pages: ragged paged attention, or for an MLA model
-    attention over latent pages with the backend's absorbed form (the Pallas kernel on a GPU) and
-    `--mla-prefill`'s rule for its prefill chunks (`mla_rebuild_weight`, runtime/mla_prefill.py)."""
+    attention over latent pages with the backend's absorbed and rebuilt forms (the Pallas kernels on a
+    GPU) and `--mla-prefill`'s rule for its prefill chunks (`mla_rebuild_weight`, runtime/mla_prefill.py)."""
     if model.is_mla:
-        return mla_attention_fn(model, select_mla_absorbed(backend), mla_rebuild_weight)
+        return mla_attention_fn(model, select_mla_absorbed(backend), mla_rebuild_weight, select_mla_rebuilt(backend))
     return select_attention(backend)
 
 

@@ -9,7 +9,8 @@ import jax
 import pytest
 
 from jaxcpp.kernels import backend
-from jaxcpp.kernels.mla_attention import mla_absorbed_attention, mla_absorbed_xla
+from jaxcpp.kernels.mla_attention import mla_absorbed_attention, mla_absorbed_xla, mla_prefill_rebuilt_xla
+from jaxcpp.kernels.mla_rebuilt import mla_prefill_rebuilt_attention
 from jaxcpp.kernels.ragged_paged_attention import (
     ROCM_LAUNCH,
     ragged_paged_attention,
@@ -34,6 +35,17 @@ def test_mla_absorbed_form_follows_the_same_rule():
     assert fn.keywords == {"interpret": True}
     with pytest.raises(ValueError, match="--attention-backend"):
         backend.select_mla_absorbed("triton")
+
+
+@ON_CPU
+def test_mla_rebuilt_form_follows_the_same_rule():
+    assert backend.select_mla_rebuilt("auto") is mla_prefill_rebuilt_xla
+    assert backend.select_mla_rebuilt("xla") is mla_prefill_rebuilt_xla
+    fn = backend.select_mla_rebuilt("pallas")
+    assert isinstance(fn, functools.partial) and fn.func is mla_prefill_rebuilt_attention
+    assert fn.keywords == {"interpret": True}
+    with pytest.raises(ValueError, match="--attention-backend"):
+        backend.select_mla_rebuilt("triton")
 
 
 @ON_CPU
@@ -65,3 +77,5 @@ def test_gpu_selects_compiled_pallas_with_vendor_launch(monkeypatch, platform, p
     assert fn.keywords == {"interpret": False, **(ROCM_LAUNCH if rocm else {})}
     mla = backend.select_mla_absorbed("auto")
     assert mla.func is mla_absorbed_attention and mla.keywords == {"interpret": False}
+    rebuilt = backend.select_mla_rebuilt("auto")
+    assert rebuilt.func is mla_prefill_rebuilt_attention and rebuilt.keywords == {"interpret": False}

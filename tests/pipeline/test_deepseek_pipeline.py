@@ -98,6 +98,21 @@ def test_pallas_absorbed_kernel_in_the_stages(pp_llm, deepseek_model, reference,
     assert_same(run(llm), reference, 1e-4)  # another order of float32 sums
 
 
+def test_pallas_rebuilt_kernel_in_the_stages(pp_llm, deepseek_model, reference, monkeypatch):
+    """--attention-backend pallas --mla-prefill rebuilt: the stages' rebuilt prefill form folds each
+    rebuilt KV block in by the Pallas kernel (`kernels/mla_rebuilt.py`, interpreted off a GPU); PP 2
+    gives the XLA path's tokens."""
+    from jaxcpp.kernels import mla_rebuilt
+
+    traced = []
+    kernel = mla_rebuilt._fold_kernel
+    monkeypatch.setattr(mla_rebuilt, "_fold_kernel", lambda *a, **k: traced.append(1) or kernel(*a, **k))
+    mla_rebuilt.mla_prefill_rebuilt_attention.clear_cache()  # an earlier engine's trace would hide the kernel
+    llm = pp_llm(model=deepseek_model, mla_prefill="rebuilt", attention_backend="pallas", pipeline_parallel_size=2)
+    assert traced  # the stages' programs hold the kernel
+    assert_same(run(llm), reference, 1e-4)  # another order of float32 sums
+
+
 def test_stage_processes_match_in_process(make_pp_llm, deepseek_model, reference):
     llm = make_pp_llm(model=deepseek_model, mla_prefill="flops", pipeline_parallel_size=2,
                       distributed_executor_backend="mp")

@@ -39,3 +39,24 @@ def test_auto_measures_once_and_its_weight_sorts_the_timed_points(monkeypatch, c
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("MLA prefill: rebuild weight") and f"measured on {device.platform}" in line
                for line in lines)
+
+
+def test_auto_times_the_stages_own_ops_for_each_backend(monkeypatch):
+    """--attention-backend pallas: auto times the two Pallas ops the stages run (absorbed kernel, rebuilt
+    fold kernel), xla the XLA ones, and each backend is measured apart (not served the other's weight)."""
+    from jaxcpp.kernels.mla_attention import mla_absorbed_attention, mla_absorbed_xla, mla_prefill_rebuilt_xla
+    from jaxcpp.kernels.mla_rebuilt import mla_prefill_rebuilt_attention
+
+    config, device = deepseek_config(), jax.devices()[0]
+    mla_prefill._MEASURED.clear()
+    ops = []
+
+    def fake(config, device, prefix_len, chunk, page_size, dtype, absorbed, rebuilt):
+        ops.append((getattr(absorbed, "func", absorbed), getattr(rebuilt, "func", rebuilt)))
+        return mla_prefill.FormTiming(prefix_len, chunk, 1.0, 2.0)
+
+    monkeypatch.setattr(mla_prefill, "time_forms", fake)
+    mla_prefill.rebuild_weight("auto", config, device, 128, 16, "pallas")
+    mla_prefill.rebuild_weight("auto", config, device, 128, 16, "xla")
+    pallas, xla = (mla_absorbed_attention, mla_prefill_rebuilt_attention), (mla_absorbed_xla, mla_prefill_rebuilt_xla)
+    assert ops == [pallas] * 3 + [xla] * 3
