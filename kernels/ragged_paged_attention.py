@@ -415,6 +415,16 @@ def ragged_paged_attention(
 
 DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill part
 DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
+# Heads of 64 and wider: blocks of 256 x 256 (a 512-token chunk after 512 cached tokens, the 30m model's
+# 8 / 4 heads of 64: 15.6 ms a layer against 23.0 at 64 x 128; the bundled model's heads of 32 stay
+# fastest at 64 x 128: 4.8 against 5.6 ms; benchmarks/cpu_prefill_split.py attention, docs/benchmarks.md).
+WIDE_HEAD_DIM = 64
+WIDE_XLA_BLOCKS = (256, 256)
+
+
+def xla_prefill_blocks(head_dim: int) -> tuple[int, int]:
+    """The XLA path's (query block, KV block tokens) for prefill chunks of this head size."""
+    return WIDE_XLA_BLOCKS if head_dim >= WIDE_HEAD_DIM else (DEFAULT_XLA_BLOCK_Q, DEFAULT_XLA_KV_BLOCK_TOKENS)
 # Query blocks computed together, each group only as far as its own last query sees (CPU, one core: 1
 # beat 2, 4 and all at once on every shape tried, lone chunks and mixes; docs/benchmarks.md).
 DEFAULT_XLA_GROUP_BLOCKS = 1
@@ -558,8 +568,8 @@ def ragged_paged_attention_xla(
     kv_scales: jax.Array | None = None,  # [2] float32: K and V scale of fp8 pages
     *,
     sm_scale: float | None = None,
-    block_q: int = DEFAULT_XLA_BLOCK_Q,
-    kv_block_tokens: int = DEFAULT_XLA_KV_BLOCK_TOKENS,
+    block_q: int | None = None,  # default: `xla_prefill_blocks(head_dim)`
+    kv_block_tokens: int | None = None,
     group_blocks: int = DEFAULT_XLA_GROUP_BLOCKS,
     decode_kernel: str = "auto",
 ) -> jax.Array:  # [T, num_heads, head_dim]
@@ -572,7 +582,9 @@ def ragged_paged_attention_xla(
     part and the other gives it 0. All loop bounds are data: a new decode/prefill mix compiles nothing.
     """
     num_tokens = q.shape[0]
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    default_q, default_kv = xla_prefill_blocks(head_dim)
+    block_q, kv_block_tokens = block_q or default_q, kv_block_tokens or default_kv
     block_pages = max(1, kv_block_tokens // page_size)
     block_q = max(1, min(block_q, num_tokens))
 
