@@ -9,6 +9,12 @@ Decode-only steps (one token per running sequence, no prompt chunk) may also tak
 the alignment, `DECODE_LADDER` (`decode_buckets`): once the prompts are in, a step of a few decodes
 would otherwise compute 64 rows for each token. Steps that carry any prompt chunk never take those
 rungs, so what chunked prefill computes (and the chunk sizes the controller snaps to) is unchanged.
+
+The sampler, one program for every bucket, takes max_num_seqs rows of logits; its plain program (no
+penalty history, no grammar mask: what nearly every step runs) draws only the first `sampler_rows` of
+them, the step's sequences rounded up to a power of two (`sampler_row_rungs`, one program each): a
+draw's noise costs a vocabulary of random numbers a row, so a lone stream drawing 64 rows paid for 63
+that nobody reads (docs/benchmarks.md, "A lone stream").
 """
 
 from __future__ import annotations
@@ -62,6 +68,24 @@ def pad_to_bucket(n: int, buckets: list[int]) -> int:
 
 def seq_bucket(token_bucket: int, max_num_seqs: int) -> int:
     return min(token_bucket, max_num_seqs)
+
+
+def sampler_row_rungs(max_num_seqs: int) -> list[int]:
+    """The row counts the plain sampler program is compiled for: powers of two below max_num_seqs, then it."""
+    return [1 << i for i in range((max_num_seqs - 1).bit_length()) if 1 << i < max_num_seqs] + [max_num_seqs]
+
+
+def sampler_programs(max_num_seqs: int) -> list[tuple[bool, bool, int]]:
+    """Every sampler program a last stage compiles, as (with the penalty history, with a grammar mask, rows):
+    those with a history or a mask on all rows, the plain one on each row rung."""
+    full = [(True, False), (False, True), (True, True)]
+    return [(h, m, max_num_seqs) for h, m in full] + [(False, False, r) for r in sampler_row_rungs(max_num_seqs)]
+
+
+def sampler_rows(num_seqs: int | None, max_num_seqs: int) -> int:
+    """The rows the plain sampler draws for a step of `num_seqs` sequences: the smallest rung that holds
+    them (None, a step that did not say: all)."""
+    return max_num_seqs if num_seqs is None else pad_to_bucket(max(num_seqs, 1), sampler_row_rungs(max_num_seqs))
 
 
 def padding_share(step_tokens: list[int], buckets: list[int], *, decode_only: Sequence[bool] = (),

@@ -254,7 +254,7 @@ class MultiProcessExecutor:
         header = {"op": "step", "id": step_id, "num_tokens": step.num_tokens_padded,
                   "layout": [[f.name, list(f.shape), f.dtype.str] for f in layout], **request.flags(),
                   "offer_tokens": offer, "drain_tokens": self._to_drain, "needs_full_sampler": step.needs_full_sampler,
-                  "bitmask": request.bitmask is not None}
+                  "num_seqs": int(step.num_seqs), "bitmask": request.bitmask is not None}
         self._to_drain = []
         if offer:
             self._offered.add(step_id)

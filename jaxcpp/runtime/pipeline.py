@@ -240,6 +240,6 @@ class PipelineExecutor:
         bitmask goes to the last stage alone, as a host array its sampler's call takes (`Stage.sample`)."""
         buf, layout = pack(step)
         put = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
-        inputs = [StageInput(b, layout, step.needs_full_sampler) for b in put]
+        inputs = [StageInput(b, layout, step.needs_full_sampler, num_seqs=int(step.num_seqs)) for b in put]
         inputs[-1] = inputs[-1]._replace(bitmask=bitmask, defer_sampling=defer_sampling)
         return inputs

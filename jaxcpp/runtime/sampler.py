@@ -85,14 +85,17 @@ def empty_history(num_slots: int, vocab_size: int) -> History:
     return History(jnp.zeros((num_slots, vocab_size), jnp.int32), jnp.zeros((num_slots, vocab_size), bool))
 
 
-def sample_step(x: SamplingInput, history: History | None,
-                bitmask: jax.Array | None = None) -> tuple[SampledTokens, History | None]:
+def sample_step(x: SamplingInput, history: History | None, bitmask: jax.Array | None = None,
+                rows: int | None = None) -> tuple[SampledTokens, History | None]:
     """One step's sampling. `history` None: no row of the step has a history or a ban, and this program
     (a second one, traced for None) does neither: the host picks it from the step's own data
     (`StepInput.needs_full_sampler`), so a step without penalties or min_tokens pays nothing for them, on
     any backend and without a device conditional. `bitmask` ([W, ceil(V / 32)] int32): each row's
     allowed tokens (structured outputs, `apply_bitmask`), data whatever the grammar; None (a step with
-    no constrained row) traces the programs without it, which the host picks the same way."""
+    no constrained row) traces the programs without it, which the host picks the same way. `rows`
+    (static: a program each): sample only the first `rows` of the W rows (`_first_rows`)."""
+    if rows is not None and rows < x.logits.shape[0]:
+        return _first_rows(x, history, bitmask, rows)
     logits = x.logits
     if history is not None:
         history = _add_prompt_tokens(history, x)
@@ -110,6 +113,20 @@ def sample_step(x: SamplingInput, history: History | None,
         counted = _slot_index(x.history_slot, history.counts.shape[0])
         history = history._replace(counts=history.counts.at[counted, tokens].add(1, mode="drop"))
     return SampledTokens(tokens, token_lp, top_ids, top_lp), history
+
+
+def _first_rows(x: SamplingInput, history: History | None, bitmask: jax.Array | None,
+                rows: int) -> tuple[SampledTokens, History | None]:
+    """`sample_step` on the first `rows` rows, its outputs padded back to W rows (the rows past them are
+    padding no one reads). Each row's token and logprobs are the same as in all W (a row never depends
+    on the rows beside it), at a cost that follows the step's sequences, not W: on CPU a draw's noise,
+    a vocabulary of threefry numbers a row, cost a lone stream among 64 rows several milliseconds a
+    token (docs/benchmarks.md, "A lone stream"). The host picks `rows`: `jaxcpp.core.buckets.sampler_rows`."""
+    width = x.logits.shape[0]
+    first = SamplingInput(*(a if name in ("token_ids", "prompt_slot") else a[:rows]  # those are per token
+                            for name, a in zip(x._fields, x, strict=True)))
+    sampled, history = sample_step(first, history, None if bitmask is None else bitmask[:rows])
+    return SampledTokens(*(jnp.pad(a, [(0, width - rows)] + [(0, 0)] * (a.ndim - 1)) for a in sampled)), history
 
 
 def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

@@ -6,27 +6,26 @@
                   -> (a second program) sample
     (with P = 1 the one stage is both first and last)
 
-The last stage's bucket program ends at the logits, padded with the sampling parameters to
-max_num_seqs rows, whatever the bucket; one sampler program then draws the tokens, their logprobs and
-keeps the penalties' per-request history (`jaxcpp.runtime.sampler`; the history is the last stage's
-donated device state, like its KV pages; four variants, which the host picks from the step's data: with
-or without the penalty history, with or without a grammar bitmask). The sampler
-(sorts for top-k / top-p, a threefry draw per row) is about a third of a bucket program's XLA compile
-time on CPU, so compiling it once instead of into every bucket cuts the cold start. Prompt
-log-probabilities (`echo`) need the logits of every prompt token, not only each sequence's last: the
-bucket program also returns its final hidden states, and a second program per bucket, run only for
-steps that ask, turns them into each token's log-probability and top MAX_LOGPROBS, 64 rows at a time
-(the [T, V] logits are never whole, and never leave the device). The fixed shape
-also serves async scheduling's token feedback: the first stage takes a [max_num_seqs] token array
-(`fed_back`: an earlier step's tokens, or zeros) and reads the input of every token with
-`feedback_rows >= 0` from it, so feeding back adds no programs either.
+The last stage's bucket program ends at the logits, padded with the sampling parameters to max_num_seqs
+rows, whatever the bucket; one sampler program then draws the tokens, their logprobs and keeps the
+penalties' per-request history (`jaxcpp.runtime.sampler`; the history is donated device state, like the KV
+pages). The host picks its variant from the step's data: the penalty history, a grammar mask, both, or the
+plain one, which draws the step's rows alone (`jaxcpp.core.buckets.sampler_rows`). The sampler (sorts for
+top-k / top-p, a threefry draw per row) is about a third of a bucket program's XLA compile time on CPU, so
+compiling it once instead of into every bucket cuts the cold start. Prompt log-probabilities (`echo`) need
+the logits of every prompt token, not only each sequence's last: the bucket program also returns its final
+hidden states, and a second program per bucket, run only for steps that ask, turns them into each token's
+log-probability and top MAX_LOGPROBS, 64 rows at a time (the [T, V] logits are never whole, and never
+leave the device). The fixed shape also serves async scheduling's token feedback: the first stage takes a
+[max_num_seqs] token array (`fed_back`: an earlier step's tokens, or zeros) and reads the input of every
+token with `feedback_rows >= 0` from it, so feeding back adds no programs either.
 
-Each stage jits its own program (one per token bucket, by shape); params are arguments (the stage's
-own slice, loaded by `jaxcpp.models.checkpoint.load_stage_params`), the step's arrays arrive packed in
-one buffer (`jaxcpp.core.step_input.pack`; every stage gets the same one), the KV
-pages are donated and stay sharded as they came in, activations leave replicated over the stage's "tp"
-axis so the next stage can take them with one `device_put`. The model code is the plain functional API
-(`embed`, `run_layers`, `compute_logits`); the stage only slices and places what it is given.
+Each stage jits its own program (one per token bucket, by shape); params are arguments (the stage's own
+slice, loaded by `jaxcpp.models.checkpoint.load_stage_params`), the step's arrays arrive packed in one
+buffer (`jaxcpp.core.step_input.pack`; every stage gets the same one), the KV pages are donated and stay
+sharded as they came in, activations leave replicated over the stage's "tp" axis so the next stage can
+take them with one `device_put`. The model code is the plain functional API (`embed`, `run_layers`,
+`compute_logits`); the stage only slices and places what it is given.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcpp.core.buckets import sampler_programs, sampler_rows
 from jaxcpp.core.step_input import Layout, StepShape, pack, padding_step
 from jaxcpp.kernels.metadata import AttentionFn, AttentionMetadata
 from jaxcpp.models import llama, runs
@@ -77,6 +77,7 @@ class StageInput(NamedTuple):
                                        # rows' allowed tokens (jaxcpp.structured); None: the maskless sampler
     defer_sampling: bool = False      # the last stage stops at the logits: `Stage.sample` draws later, once
                                       # the host has the mask (a constrained decode's token was still pending)
+    num_seqs: int | None = None       # the step's sequences: the plain sampler draws their rows alone (None: all)
 
 
 class StepOutput(NamedTuple):
@@ -241,7 +242,8 @@ class Stage:
         rep = self.replicated  # one sharding for every output array
         # in_shardings: a grammar mask comes from the host with the call (a device_put of its own cost the
         # late draw ~0.07 ms of host time a step: docs/benchmarks.md, structured outputs)
-        self._sampler = jax.jit(sample_step, donate_argnums=(1,), in_shardings=rep, out_shardings=rep)
+        self._sampler = jax.jit(sample_step, donate_argnums=1, static_argnums=3, in_shardings=rep,
+                                out_shardings=rep)
         self._no_mask = np.zeros((max_num_seqs, bitmask_words(config.vocab_size)), np.int32)  # to compile with
         self.history: History | None = jax.jit(functools.partial(empty_history, max_num_seqs, config.vocab_size),
                                                 out_shardings=rep)() if self.is_last else None
@@ -303,9 +305,9 @@ class Stage:
                                         layout=layout).compile()
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once
             if not self._sampler_compiled:
-                for history in (None, self.history):  # the plain and the full sampler program,
-                    for bitmask in (None, self._no_mask):  # each with and without a grammar mask (a host array)
-                        self._sampler.lower(sampling, history, bitmask).compile()
+                for with_history, with_mask, rows in sampler_programs(self.max_num_seqs):  # a mask: a host array
+                    self._sampler.lower(sampling, self.history if with_history else None,
+                                        self._no_mask if with_mask else None, rows).compile()
                 self._sampler_compiled = True
 
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -384,12 +386,13 @@ class Stage:
     def sample(self, step: StepOutput, bitmask: np.ndarray | None) -> StepOutput:
         """Draw the step's tokens (dispatched, not awaited). Penalties or min_tokens in the step: the
         program that has them; a constrained row: the one with a mask (data: no program per grammar or
-        per mix of rows). Steps are sampled in submission order (the history is donated state)."""
+        per mix of rows); otherwise the plain one, on the step's rows alone (`sampler_rows`). Steps are
+        sampled in submission order (the history is donated state)."""
         assert step.sampling is not None
-        if step.batch.needs_full_sampler:
-            sampled, self.history = self._sampler(step.sampling, self.history, bitmask)
-        else:
-            sampled, _ = self._sampler(step.sampling, None, bitmask)
+        history = self.history if step.batch.needs_full_sampler else None
+        rows = sampler_rows(step.batch.num_seqs if history is None and bitmask is None else None, self.max_num_seqs)
+        sampled, history = self._sampler(step.sampling, history, bitmask, rows)
+        self.history = self.history if history is None else history
         return step._replace(sampled=sampled, sampling=None)
 
     def _feedback(self, fed_back: jax.Array | None) -> jax.Array | None:

@@ -178,7 +178,7 @@ class StageWorker:
         received = time.perf_counter()
         step_id, num_tokens = header["id"], header["num_tokens"]
         batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
-                           header.get("needs_full_sampler", False))
+                           header.get("needs_full_sampler", False), num_seqs=header.get("num_seqs"))
         if header.get("bitmask") and self.stage.is_last:  # the sampler's allowed tokens (jaxcpp.structured)
             batch = batch._replace(bitmask=arrays[1])  # a host array: the sampler's call takes it
         pull_start = time.perf_counter()

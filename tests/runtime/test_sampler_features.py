@@ -122,3 +122,19 @@ def test_the_cpu_path_skips_only_what_no_row_asks_for(monkeypatch) -> None:
     nothing = step_input(wants_logprobs=np.zeros(W, np.int32))
     out, _ = jax.jit(sampler.sample_step)(nothing, None)
     assert list(np.asarray(out.tokens)) == list(LOGITS.argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_first_rows_alone_draw_what_they_draw_among_all_rows(rows) -> None:
+    """`rows` (the plain program on the step's rows alone): the same tokens and logprobs for those rows,
+    greedy, drawn, truncated; the rows past them are padding."""
+    x = step_input(temperature=np.array([0.9, 0.0, 1.0, 0.7], np.float32), top_k=np.array([0, 0, 5, 0], np.int32),
+                   top_p=np.array([1.0, 1.0, 1.0, 0.8], np.float32), seeds=np.arange(W, dtype=np.uint32) + 3,
+                   num_generated=np.array([2, 0, 7, 1], np.int32), min_p=np.array([0.0, 0.0, 0.0, 0.1], np.float32))
+    for first in (x, x._replace(top_k=x.top_k.at[0].set(3))):  # rows that truncate (sorts) or not
+        every, _ = jax.jit(sampler.sample_step)(first, None)
+        alone, none = jax.jit(sampler.sample_step, static_argnames="rows")(first, None, rows=rows)
+        assert none is None
+        for a, b in zip(alone, every, strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a)[:rows], np.asarray(b)[:rows])
