@@ -24,6 +24,7 @@ kernel, `kernels/mla_rebuilt.py`; or `mla_prefill_rebuilt_xla`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 
@@ -78,15 +79,17 @@ def select_attention(backend: str, *, interpret: bool | None = None) -> Attentio
 def select_mla_absorbed(backend: str, *, interpret: bool | None = None) -> AbsorbedFn:
     """The absorbed MLA op for `--attention-backend` (`select_attention`'s rule; one launch for CUDA and
     ROCm: its defaults were sized for Triton's register budget, not tuned per vendor)."""
-    if resolve_backend(backend) == "xla":
-        return mla_absorbed_xla
-    interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
-    return functools.partial(mla_absorbed_attention, interpret=interpret)
+    return _select_mla(backend, mla_absorbed_xla, mla_absorbed_attention, interpret)
 
 
 def select_mla_rebuilt(backend: str, *, interpret: bool | None = None) -> RebuiltFn:
     """The rebuilt MLA prefill op for `--attention-backend` (`select_attention`'s rule)."""
+    return _select_mla(backend, mla_prefill_rebuilt_xla, mla_prefill_rebuilt_attention, interpret)
+
+
+def _select_mla(backend: str, xla_op: Callable[..., jax.Array], pallas_op: Callable[..., jax.Array],
+                interpret: bool | None) -> Callable[..., jax.Array]:
     if resolve_backend(backend) == "xla":
-        return mla_prefill_rebuilt_xla
+        return xla_op
     interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
-    return functools.partial(mla_prefill_rebuilt_attention, interpret=interpret)
+    return functools.partial(pallas_op, interpret=interpret)

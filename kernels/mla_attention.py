@@ -312,8 +312,8 @@ def mla_attention_auto(
     sm_scale: float,
     flops: tuple[float, float, float],  # (W, absorbed pair, rebuilt pair): jaxcpp.chunking.mla_cost.MlaShape's
     absorbed: AbsorbedFn = mla_absorbed_xla,
-    rebuild_weight: float = 1.0,
     rebuilt: RebuiltFn = mla_prefill_rebuilt_xla,
+    rebuild_weight: float = 1.0,
 ) -> jax.Array:  # [T, H, dv]
     """A step's MLA with the form of its prefill chunks chosen per step by weighted FLOPs
     (`rebuild_is_cheaper`): both forms are compiled into the one program, a `lax.cond` runs one; a

@@ -415,6 +415,9 @@ def ragged_paged_attention(
 
 DEFAULT_XLA_BLOCK_Q = 64  # query tokens per block of the XLA path's prefill part
 DEFAULT_XLA_KV_BLOCK_TOKENS = 128  # KV positions per inner step of the XLA path (CPU: 128 beat 64, 256, 512)
+# Query blocks computed together, each group only as far as its own last query sees (CPU, one core: 1
+# beat 2, 4 and all at once on every shape tried, lone chunks and mixes; docs/benchmarks.md).
+DEFAULT_XLA_GROUP_BLOCKS = 1
 # Heads of 64 and wider: blocks of 256 x 256 (a 512-token chunk after 512 cached tokens, the 30m model's
 # 8 / 4 heads of 64: 15.6 ms a layer against 23.0 at 64 x 128; the bundled model's heads of 32 stay
 # fastest at 64 x 128: 4.8 against 5.6 ms; benchmarks/cpu_prefill_split.py attention, docs/benchmarks.md).
@@ -425,9 +428,6 @@ WIDE_XLA_BLOCKS = (256, 256)
 def xla_prefill_blocks(head_dim: int) -> tuple[int, int]:
     """The XLA path's (query block, KV block tokens) for prefill chunks of this head size."""
     return WIDE_XLA_BLOCKS if head_dim >= WIDE_HEAD_DIM else (DEFAULT_XLA_BLOCK_Q, DEFAULT_XLA_KV_BLOCK_TOKENS)
-# Query blocks computed together, each group only as far as its own last query sees (CPU, one core: 1
-# beat 2, 4 and all at once on every shape tried, lone chunks and mixes; docs/benchmarks.md).
-DEFAULT_XLA_GROUP_BLOCKS = 1
 
 
 def _prefill_attention(qg: Array, k_pages: Array, v_pages: Array, md: AttentionMetadata, *, block_q: int,

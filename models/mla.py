@@ -168,8 +168,9 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(*lead, heads * c.v_head_dim)), aux
 
 
-def mla_attention_fn(config: ModelConfig, absorbed: AbsorbedFn = mla_absorbed_xla, rebuild_weight: float = 1.0,
-                     rebuilt: RebuiltFn = mla_prefill_rebuilt_xla) -> Callable[..., jax.Array]:
+def mla_attention_fn(config: ModelConfig, absorbed: AbsorbedFn = mla_absorbed_xla,
+                     rebuilt: RebuiltFn = mla_prefill_rebuilt_xla,
+                     rebuild_weight: float = 1.0) -> Callable[..., jax.Array]:
     """The paged op an MLA layer attends with: (q_nope, q_pe, latent_pages, w_uk, w_uv, md[, scale])
     -> [T, H, dv], decodes absorbed (by `absorbed`: `jaxcpp.kernels.backend.select_mla_absorbed`) and
     prefill chunks absorbed or rebuilt (by `rebuilt`: `select_mla_rebuilt`), whichever costs fewer FLOPs
@@ -179,7 +180,7 @@ def mla_attention_fn(config: ModelConfig, absorbed: AbsorbedFn = mla_absorbed_xl
                      config.qk_rope_head_dim, config.v_head_dim)
     flops = (shape.kv_b_flops, shape.pair_flops("absorbed"), shape.pair_flops("rebuilt"))
     return functools.partial(mla_attention_auto, sm_scale=softmax_scale(config), flops=flops, absorbed=absorbed,
-                             rebuild_weight=rebuild_weight, rebuilt=rebuilt)
+                             rebuilt=rebuilt, rebuild_weight=rebuild_weight)
 
 
 def paged_mla_attention(k_pages: jax.Array, layer: jax.Array, md: Any, attention_fn: Callable[..., jax.Array],

@@ -98,7 +98,7 @@ def model_attention(model: ModelConfig, backend: str, mla_rebuild_weight: float 
     attention over latent pages with the backend's absorbed and rebuilt forms (the Pallas kernels on a
     GPU) and `--mla-prefill`'s rule for its prefill chunks (`mla_rebuild_weight`, runtime/mla_prefill.py)."""
     if model.is_mla:
-        return mla_attention_fn(model, select_mla_absorbed(backend), mla_rebuild_weight, select_mla_rebuilt(backend))
+        return mla_attention_fn(model, select_mla_absorbed(backend), select_mla_rebuilt(backend), mla_rebuild_weight)
     return select_attention(backend)
 
 
