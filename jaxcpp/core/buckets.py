@@ -84,8 +84,9 @@ def sampler_programs(max_num_seqs: int) -> list[tuple[bool, bool, int]]:
 
 def sampler_rows(num_seqs: int | None, max_num_seqs: int) -> int:
     """The rows the plain sampler draws for a step of `num_seqs` sequences: the smallest rung that holds
-    them (None, a step that did not say: all)."""
-    return max_num_seqs if num_seqs is None else pad_to_bucket(max(num_seqs, 1), sampler_row_rungs(max_num_seqs))
+    them (None, a step that did not say: all): the next power of two, at most max_num_seqs. Computed, not
+    looked up, as it runs every step."""
+    return max_num_seqs if num_seqs is None else min(1 << (max(num_seqs, 1) - 1).bit_length(), max_num_seqs)
 
 
 def padding_share(step_tokens: list[int], buckets: list[int], *, decode_only: Sequence[bool] = (),
