@@ -1,0 +1,438 @@
+// Paged attention on CPU, reading K/V pages where they lie: the XLA FFI custom calls behind
+// `jaxcpp.kernels.cpu_attention` (which builds this file with the host's C++ compiler), one for a step's
+// decode rows and one for its prefill chunks.
+//
+// XLA:CPU can only read pages through a gather that copies every page a query block sees into a fresh
+// operand, each layer, each step (and transposes it for its batched dot); these kernels read each K and V
+// position from the cache itself, as vLLM's CPU attention does.
+//
+// Decode: one task per decode row, all its KV heads at once (a position's K, and its V, of every head lie
+// together in the page): each query head scores every visible position, then a softmax over the whole
+// row (max, exp, sum: two passes over a row's scores, one over its K and one over its V) and the
+// probability-weighted sum of V.
+//
+// Prefill: one task per (query block of one chunk, KV head): the block's rows (its tokens x the query
+// heads of that KV head) fold the chunk's visible KV positions in blocks of kKvBlock into an online
+// softmax. Both products are shaped for the vector units: a KV block's K is copied transposed ([head_dim,
+// positions]) so that a row's scores are multiply-adds along the positions, and a row's output adds
+// probability x V along head_dim; a row never reduces across a vector (the decode kernel's one-row dots do).
+//
+// fp32 throughout. A row's result depends on its own inputs only, never on the rows beside it. Tasks are
+// shared with XLA's intra-op thread pool: the calling thread claims tasks too and only waits for tasks
+// other threads are running, so a pool whose threads are all busy cannot stall it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Tasks claimed from one counter by the caller and by pool threads alike; `run_tasks` returns when all
+// `total` are done.
+struct Work {
+  std::function<void(int64_t)> task;
+  int64_t total = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void run() {
+    int64_t i;
+    while ((i = next.fetch_add(1)) < total) {
+      task(i);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+void run_tasks(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)> task) {
+  if (total <= 0) return;
+  auto work = std::make_shared<Work>();
+  work->task = std::move(task);
+  work->total = total;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->all_done.wait(lock, [&] { return work->done.load() == work->total; });
+}
+
+// head_dim as a template argument where it is a common size: loops the compiler unrolls and vectorizes
+// whole (0: any size, read from the problem).
+template <int64_t kHeadDim>
+float dot(const float* a, const float* b, int64_t n) {
+  if constexpr (kHeadDim > 0) n = kHeadDim;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+constexpr int64_t kLanes = 16;  // floats in a vector register (AVX-512; two AVX2 registers elsewhere)
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// The three steps of exp_nonpositive that differ between a float and a vector of them, exact in both.
+inline float at_least(float x, float low) { return std::max(x, low); }
+inline Vec at_least(Vec x, float low) { return x < low ? Vec{} + low : x; }
+inline float round_down(float y) { return std::floor(y); }
+inline Vec round_down(Vec y) {  // y's integer part (|y| < 2^31), minus 1 where y is negative and not whole
+  const Vec t = __builtin_convertvector(__builtin_convertvector(y, IntVec), Vec);
+  return t > y ? t - 1.0f : t;
+}
+inline float two_to(float n) {
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return two_n;
+}
+inline Vec two_to(Vec n) { return reinterpret_cast<Vec>((__builtin_convertvector(n, IntVec) + 127) << 23); }
+
+// exp(x) for x <= 0 (a score minus its row's max), within 2 ulp of std::exp: Cephes' expf (x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n built in the exponent bits), for a float (the
+// compiler vectorizes the decode rows' softmax loop over it) or a vector of them (the prefill tiles',
+// which it did not vectorize); the two give the same bits. std::exp is a library call per element and
+// was the largest part of a small-head row (head_dim 32: one exp per 64 multiply-adds). Below -87.3
+// (2^-126, the smallest normal float) it returns that instead of underflowing further: a term of 1e-38
+// beside the max's own term of 1 changes no float32 sum.
+template <typename T>
+inline T exp_nonpositive(T x) {
+  x = at_least(x, -87.3f);
+  const T n = round_down(x * 1.44269504088896341f + 0.5f);
+  T r = x - n * 0.693359375f;  // ln 2 in two parts (Cody-Waite), exact in n * hi
+  r = r - n * -2.12194440e-4f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * two_to(n);
+}
+
+// ---- Decode rows ----
+
+struct DecodeProblem {
+  const float* q;         // [rows, kv_heads, group, head_dim], scaled
+  const float* k_pages;   // [num_pages, page_size, kv_heads, head_dim]
+  const float* v_pages;   // [num_pages, page_size, kv_heads, head_dim]
+  const int32_t* pages;   // [rows, pages_per_row]
+  const int32_t* visible; // [rows]: KV positions each row sees (0: the row comes out 0)
+  float* out;             // [rows, kv_heads, group, head_dim]
+  int64_t rows, kv_heads, group, head_dim, num_pages, page_size, pages_per_row;
+};
+
+// Row `row`: out[row] = softmax(q k^T) v over the row's visible positions, every KV head at once, so that
+// each position's K (then V) of all heads, contiguous in the page, is read in one sweep.
+template <int64_t kHeadDim>
+void attend_decode(const DecodeProblem& p, int64_t row) {
+  const int64_t d = kHeadDim > 0 ? kHeadDim : p.head_dim;
+  const int64_t heads = p.kv_heads * p.group;  // query heads; query head x reads KV head x / group
+  const float* q = p.q + row * heads * d;
+  float* out = p.out + row * heads * d;
+  std::fill(out, out + heads * d, 0.0f);
+  const int64_t len = std::min<int64_t>(p.visible[row], p.pages_per_row * p.page_size);
+  if (len <= 0) return;
+  const int32_t* row_pages = p.pages + row * p.pages_per_row;
+  auto position = [&](const float* pool, int64_t j) {  // [kv_heads, head_dim] of position j
+    const int64_t page = std::clamp<int64_t>(row_pages[j / p.page_size], 0, p.num_pages - 1);
+    return pool + (page * p.page_size + j % p.page_size) * p.kv_heads * d;
+  };
+
+  thread_local std::vector<float> scores;  // [heads, len]: each head's softmax runs over contiguous scores
+  scores.resize(heads * len);
+  for (int64_t j = 0; j < len; ++j) {
+    const float* k = position(p.k_pages, j);
+    for (int64_t h = 0; h < heads; ++h) scores[h * len + j] = dot<kHeadDim>(q + h * d, k + h / p.group * d, d);
+  }
+  thread_local std::vector<float> denom;
+  denom.assign(heads, 0.0f);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores.data() + h * len;
+    float max = -INFINITY;
+#pragma omp simd reduction(max : max)
+    for (int64_t j = 0; j < len; ++j) max = std::max(max, s[j]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = exp_nonpositive(s[j] - max);
+      sum += s[j];
+    }
+    denom[h] = sum;  // >= 1: the max's own term is exp(0)
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = position(p.v_pages, j);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float weight = scores[h * len + j];
+      const float* vh = v + h / p.group * d;
+      float* o = out + h * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] += weight * vh[i];
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / denom[h];
+    float* o = out + h * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+  }
+}
+
+void attend_decode(const DecodeProblem& p, int64_t row) {
+  switch (p.head_dim) {
+    case 32: return attend_decode<32>(p, row);
+    case 64: return attend_decode<64>(p, row);
+    case 128: return attend_decode<128>(p, row);
+    default: return attend_decode<0>(p, row);
+  }
+}
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                                ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> pages,
+                                ffi::Buffer<ffi::S32> visible, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), pd = pages.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) ||
+      pd.size() != 2 || kd[2] != qd[1] || kd[3] != qd[3] || pd[0] != qd[0] || visible.dimensions().size() != 1 ||
+      visible.dimensions()[0] != qd[0]) {
+    return ffi::Error::InvalidArgument(
+        "paged_decode_attention: want q [rows, kv_heads, group, head_dim], pages [num_pages, page_size, "
+        "kv_heads, head_dim] (K and V alike), page table [rows, pages_per_row], visible [rows]");
+  }
+  const DecodeProblem problem{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), pages.typed_data(),
+                              visible.typed_data(), out->typed_data(), qd[0], qd[1], qd[2], qd[3],
+                              kd[0], kd[1], pd[1]};
+  run_tasks(pool, qd[0], [&problem](int64_t row) { attend_decode(problem, row); });
+  return ffi::Error::Success();
+}
+
+// ---- Prefill chunks ----
+
+constexpr int64_t kQueryRows = 64;  // rows (tokens x query heads of one KV head) a task owns, at most
+constexpr int64_t kKvBlock = 128;   // KV positions folded into the online softmax at once
+constexpr int64_t kWidth = 2 * kLanes;  // V's head_dim is padded to a multiple of this in the task's buffer
+
+struct PrefillProblem {
+  const float* q;           // [tokens, kv_heads, group, head_dim], scaled
+  const float* k_pages;     // [num_pages, page_size, kv_heads, head_dim]
+  const float* v_pages;
+  const int32_t* cu_q_lens; // [seqs + 1]: where each sequence's query tokens start
+  const int32_t* kv_lens;   // [seqs]: cached prefix + new tokens
+  const int32_t* pages;     // [seqs, pages_per_seq]
+  float* out;               // [tokens, kv_heads, group, head_dim]
+  int64_t tokens, kv_heads, group, head_dim, num_pages, page_size, pages_per_seq;
+};
+
+struct QueryBlock {  // tokens [first, first + count) of sequence `seq`, one KV head
+  int64_t seq, first, count, kv_head, visible_end;  // visible_end: KV positions its last token sees
+};
+
+// scores[j][rows] = k[j] . qt[:, rows] for 4 positions and kChunks x kLanes rows: up to 16 accumulators in
+// registers, each multiply-add along the rows (Q is held transposed, [head_dim][stride]).
+template <int kChunks>
+inline void score_tile(const float* const* k, const float* qt, float* scores, int64_t d, int64_t stride) {
+  Vec acc[4][kChunks] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    Vec q[kChunks];
+    for (int c = 0; c < kChunks; ++c) q[c] = load(qt + i * stride + c * kLanes);
+    for (int j = 0; j < 4; ++j) {
+      const float kj = k[j][i];
+      for (int c = 0; c < kChunks; ++c) acc[j][c] += kj * q[c];
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < kChunks; ++c) store(scores + j * stride + c * kLanes, acc[j][c]);
+}
+
+inline void score_tile(const float* const* k, const float* qt, float* scores, int64_t d, int64_t stride) {
+  switch (stride / kLanes) {
+    case 1: return score_tile<1>(k, qt, scores, d, stride);
+    case 2: return score_tile<2>(k, qt, scores, d, stride);
+    case 3: return score_tile<3>(k, qt, scores, d, stride);
+    default: return score_tile<4>(k, qt, scores, d, stride);
+  }
+}
+
+// out[r][cols] += sum_j p[j][r] v[j][cols] for 8 rows and kWidth columns: 16 accumulators in registers.
+inline void weigh_tile(const float* p, const float* v, float* out, int64_t positions, int64_t stride,
+                       int64_t width) {
+  Vec acc[8][2];
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 2; ++c) acc[r][c] = load(out + r * width + c * kLanes);
+  for (int64_t j = 0; j < positions; ++j) {
+    const Vec v0 = load(v + j * width), v1 = load(v + j * width + kLanes);
+    for (int r = 0; r < 8; ++r) {
+      const float w = p[j * stride + r];
+      acc[r][0] += w * v0;
+      acc[r][1] += w * v1;
+    }
+  }
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < 2; ++c) store(out + r * width + c * kLanes, acc[r][c]);
+}
+
+// One task: the block's rows (token-major: row r is token first + r / group, query head
+// kv_head * group + r % group) attend to KV positions [0, position + 1) each, in blocks of kKvBlock.
+// Scores are held transposed, [position][row], so that the online softmax (max, exp, sum, correction)
+// runs along kLanes rows at once and never reduces across a vector. Rows are padded to a multiple of
+// kLanes (padding rows: a zero query at the last row's position, never written out), V's head_dim to
+// a multiple of kWidth.
+void attend_prefill(const PrefillProblem& p, const QueryBlock& b) {
+  const int64_t d = p.head_dim, width = (d + kWidth - 1) / kWidth * kWidth;
+  const int64_t rows = b.count * p.group, stride = (rows + kLanes - 1) / kLanes * kLanes;
+  const int32_t* seq_pages = p.pages + b.seq * p.pages_per_seq;
+
+  thread_local std::vector<float> qt, v, scores, acc, position, row_max, denom;
+  qt.assign(d * stride, 0.0f);                // [head_dim, stride]: Q transposed
+  v.assign(kKvBlock * width, 0.0f);           // [kKvBlock, width]
+  scores.resize(kKvBlock * stride);           // [kKvBlock, stride]
+  acc.assign(stride * width, 0.0f);           // [stride, width]
+  position.resize(stride);                    // of each row's token (float: exact below 2^24)
+  row_max.assign(stride, -INFINITY);
+  denom.assign(stride, 0.0f);
+  for (int64_t r = 0; r < stride; ++r) {
+    position[r] = static_cast<float>(b.visible_end - b.count + std::min(r, rows - 1) / p.group);
+    if (r >= rows) continue;
+    const float* src = p.q + (((b.first + r / p.group) * p.kv_heads + b.kv_head) * p.group + r % p.group) * d;
+    for (int64_t i = 0; i < d; ++i) qt[i * stride + r] = src[i];
+  }
+  auto at = [&](const float* pool, int64_t j) {  // head kv_head's [head_dim] at KV position j
+    const int64_t page = std::clamp<int64_t>(seq_pages[j / p.page_size], 0, p.num_pages - 1);
+    return pool + ((page * p.page_size + j % p.page_size) * p.kv_heads + b.kv_head) * d;
+  };
+
+  for (int64_t j0 = 0; j0 < b.visible_end; j0 += kKvBlock) {
+    const int64_t n = std::min(kKvBlock, b.visible_end - j0);
+    for (int64_t j = 0; j < n; ++j) std::copy_n(at(p.v_pages, j0 + j), d, v.data() + j * width);
+    for (int64_t j = 0; j < n; j += 4) {  // positions past n repeat the last one: masked below
+      const float* k[4];
+      for (int t = 0; t < 4; ++t) k[t] = at(p.k_pages, j0 + std::min(j + t, n - 1));
+      score_tile(k, qt.data(), scores.data() + j * stride, d, stride);
+    }
+    // The online softmax, kLanes rows at a time; position j0 + j is seen by rows at or past it (causal).
+    for (int64_t c = 0; c < stride; c += kLanes) {
+      const Vec row_position = load(position.data() + c);
+      Vec block_max = Vec{} - INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec s = load(scores.data() + j * stride + c);
+        block_max = (row_position >= static_cast<float>(j0 + j) && s > block_max) ? s : block_max;
+      }
+      const Vec old_max = load(row_max.data() + c);
+      const Vec new_max = old_max > block_max ? old_max : block_max;  // finite: every row sees position 0
+      const Vec correction = exp_nonpositive(old_max - new_max);      // the rows' first block: times ~0
+      Vec sum = {};
+      for (int64_t j = 0; j < n; ++j) {
+        float* s = scores.data() + j * stride + c;
+        const Vec e = row_position >= static_cast<float>(j0 + j) ? exp_nonpositive(load(s) - new_max) : Vec{};
+        store(s, e);
+        sum += e;
+      }
+      store(row_max.data() + c, new_max);
+      store(denom.data() + c, load(denom.data() + c) * correction + sum);
+      for (int64_t r = 0; r < kLanes; ++r) {
+        float* o = acc.data() + (c + r) * width;
+        for (int64_t i = 0; i < width; ++i) o[i] *= correction[r];
+      }
+    }
+    for (int64_t r = 0; r < stride; r += 8)
+      for (int64_t c = 0; c < width; c += kWidth)
+        weigh_tile(scores.data() + r, v.data() + c, acc.data() + r * width + c, n, stride, width);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = p.out + (((b.first + r / p.group) * p.kv_heads + b.kv_head) * p.group + r % p.group) * d;
+    const float inv = 1.0f / denom[r];  // >= 1: a row sees position 0 at least, and its max's own term
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * width + i] * inv;
+  }
+}
+
+// The step's query blocks of prefill sequences [first_seq, last_seq), costliest (furthest-seeing) first so
+// that the last tasks claimed are short ones.
+std::vector<QueryBlock> query_blocks(const PrefillProblem& p, int64_t first_seq, int64_t last_seq) {
+  const int64_t block_tokens = std::max<int64_t>(1, kQueryRows / p.group);
+  std::vector<QueryBlock> blocks;
+  for (int64_t s = first_seq; s < last_seq; ++s) {
+    const int64_t start = std::clamp<int64_t>(p.cu_q_lens[s], 0, p.tokens);
+    const int64_t end = std::clamp<int64_t>(p.cu_q_lens[s + 1], start, p.tokens);
+    const int64_t kv_len = std::min<int64_t>(p.kv_lens[s], p.pages_per_seq * p.page_size);
+    const int64_t prefix = kv_len - (end - start);  // cached positions before the chunk
+    for (int64_t t = start; t < end; t += block_tokens) {
+      const int64_t count = std::min(block_tokens, end - t);
+      const int64_t visible_end = prefix + (t - start) + count;
+      if (visible_end - count < 0) continue;  // inconsistent lengths: leave the rows 0
+      for (int64_t h = 0; h < p.kv_heads; ++h) blocks.push_back({s, t, count, h, visible_end});
+    }
+  }
+  std::stable_sort(blocks.begin(), blocks.end(),
+                   [](const QueryBlock& a, const QueryBlock& b) { return a.visible_end > b.visible_end; });
+  return blocks;
+}
+
+ffi::Error PagedPrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                                 ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> cu_q_lens,
+                                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> pages,
+                                 ffi::Buffer<ffi::S32> seq_range, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), pd = pages.dimensions();
+  const auto cd = cu_q_lens.dimensions(), ld = kv_lens.dimensions(), rd = seq_range.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) ||
+      kd[2] != qd[1] || kd[3] != qd[3] || pd.size() != 2 || ld.size() != 1 || ld[0] != pd[0] || cd.size() != 1 ||
+      cd[0] != pd[0] + 1 || rd.size() != 1 || rd[0] != 2) {
+    return ffi::Error::InvalidArgument(
+        "paged_prefill_attention: want q [tokens, kv_heads, group, head_dim], pages [num_pages, page_size, "
+        "kv_heads, head_dim] (K and V alike), cu_q_lens [seqs + 1], kv_lens [seqs], page table [seqs, "
+        "pages_per_seq], seq_range [2] (the prefill sequences [first, last))");
+  }
+  const PrefillProblem problem{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
+                               cu_q_lens.typed_data(), kv_lens.typed_data(), pages.typed_data(),
+                               out->typed_data(), qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], pd[1]};
+  std::fill(problem.out, problem.out + qd[0] * qd[1] * qd[2] * qd[3], 0.0f);  // decode and padding rows: 0
+  const int32_t* range = seq_range.typed_data();
+  const std::vector<QueryBlock> blocks =
+      query_blocks(problem, std::clamp<int64_t>(range[0], 0, pd[0]), std::clamp<int64_t>(range[1], 0, pd[0]));
+  run_tasks(pool, static_cast<int64_t>(blocks.size()), [&](int64_t i) { attend_prefill(problem, blocks[i]); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcppPagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcppPagedPrefillAttention, PagedPrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
