@@ -6,10 +6,8 @@
 // operand, each layer, each step (and transposes it for its batched dot); these kernels read each K and V
 // position from the cache itself, as vLLM's CPU attention does.
 //
-// Decode: one task per decode row, all its KV heads at once (a position's K, and its V, of every head lie
-// together in the page): each query head scores every visible position, then a softmax over the whole
-// row (max, exp, sum: two passes over a row's scores, one over its K and one over its V) and the
-// probability-weighted sum of V.
+// Decode: one task per decode row: each query head scores every visible position, then a softmax over
+// the whole row (max, exp, sum) and the probability-weighted sum of V.
 //
 // Prefill: one task per (query block of one chunk, KV head): the block's rows (its tokens x the query
 // heads of that KV head) fold the chunk's visible KV positions in blocks of kKvBlock into an online
@@ -72,17 +70,6 @@ void run_tasks(ffi::ThreadPool& pool, int64_t total, std::function<void(int64_t)
   work->all_done.wait(lock, [&] { return work->done.load() == work->total; });
 }
 
-// head_dim as a template argument where it is a common size: loops the compiler unrolls and vectorizes
-// whole (0: any size, read from the problem).
-template <int64_t kHeadDim>
-float dot(const float* a, const float* b, int64_t n) {
-  if constexpr (kHeadDim > 0) n = kHeadDim;
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 constexpr int64_t kLanes = 16;  // floats in a vector register (AVX-512; two AVX2 registers elsewhere)
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -111,10 +98,10 @@ inline float two_to(float n) {
 inline Vec two_to(Vec n) { return reinterpret_cast<Vec>((__builtin_convertvector(n, IntVec) + 127) << 23); }
 
 // exp(x) for x <= 0 (a score minus its row's max), within 2 ulp of std::exp: Cephes' expf (x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n built in the exponent bits), for a float (the
-// compiler vectorizes the decode rows' softmax loop over it) or a vector of them (the prefill tiles',
-// which it did not vectorize); the two give the same bits. std::exp is a library call per element and
-// was the largest part of a small-head row (head_dim 32: one exp per 64 multiply-adds). Below -87.3
+// |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n built in the exponent bits), on a vector of
+// floats (the compiler left a loop of scalar ones unvectorized) or a float (the same bits). std::exp is
+// a library call per element and was the largest part of a small-head row (head_dim 32: one exp per 64
+// multiply-adds). Below -87.3
 // (2^-126, the smallest normal float) it returns that instead of underflowing further: a term of 1e-38
 // beside the max's own term of 1 changes no float32 sum.
 template <typename T>
@@ -132,6 +119,18 @@ inline T exp_nonpositive(T x) {
   return p * two_to(n);
 }
 
+// Where positions [0, count) of a sequence lie in a page pool, page by page (no division per position):
+// position j's [kv_heads, head_dim] row starts offsets[j] floats into the pool. Page ids are clamped into
+// the pool, as XLA's gather clamps them.
+void position_offsets(const int32_t* seq_pages, int64_t count, int64_t page_size, int64_t num_pages,
+                      int64_t row_floats, std::vector<int64_t>& offsets) {
+  offsets.resize(count);
+  for (int64_t j = 0, page = 0; j < count; ++page) {
+    const int64_t first = std::clamp<int64_t>(seq_pages[page], 0, num_pages - 1) * page_size;
+    for (int64_t o = 0; o < page_size && j < count; ++o, ++j) offsets[j] = (first + o) * row_floats;
+  }
+}
+
 // ---- Decode rows ----
 
 struct DecodeProblem {
@@ -144,59 +143,106 @@ struct DecodeProblem {
   int64_t rows, kv_heads, group, head_dim, num_pages, page_size, pages_per_row;
 };
 
-// Row `row`: out[row] = softmax(q k^T) v over the row's visible positions, every KV head at once, so that
-// each position's K (then V) of all heads, contiguous in the page, is read in one sweep.
+// The lane sums of 16 vectors as one vector: lane t holds the sum of in[t]'s lanes. A network of
+// 15 folds (each two shuffles and an add) where summing each vector alone would take 16 reductions of 4
+// dependent steps each; `fold<w>` adds each 2w-lane group's halves, a's into the group's first w lanes
+// and b's into its last w.
+template <int w>
+inline Vec fold(Vec a, Vec b) {
+  static const IntVec lo = [] {
+    IntVec m;
+    for (int l = 0; l < kLanes; ++l) {
+      const int group = l / (2 * w) * (2 * w), within = l % (2 * w);
+      m[l] = within < w ? group + within : kLanes + group + within - w;
+    }
+    return m;
+  }();
+  static const IntVec hi = lo + w;
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+inline Vec lane_sums(const Vec* in) {
+  Vec v[kLanes];
+  for (int t = 0; t < kLanes; ++t) {  // the folds leave input k's sum in lane bit_reverse(k): feed them so
+    const int reversed = ((t & 1) << 3) | ((t & 2) << 1) | ((t & 4) >> 1) | ((t & 8) >> 3);
+    v[t] = in[reversed];
+  }
+  for (int k = 0; k < 8; ++k) v[k] = fold<8>(v[2 * k], v[2 * k + 1]);
+  for (int k = 0; k < 4; ++k) v[k] = fold<4>(v[2 * k], v[2 * k + 1]);
+  for (int k = 0; k < 2; ++k) v[k] = fold<2>(v[2 * k], v[2 * k + 1]);
+  return fold<1>(v[0], v[1]);
+}
+
+// Row `row`: out[row] = softmax(q k^T) v over the row's visible positions, head by head; positions in
+// tiles of kLanes: a head's products with a tile's K rows are kept as vectors of partial sums and reduced
+// together (`lane_sums`), the softmax runs on vectors, and a head's weighted sum of V stays in registers
+// across the positions. head_dim as a template argument where it is a common size (the loops unroll);
+// any other size runs the same code with a scalar tail.
 template <int64_t kHeadDim>
 void attend_decode(const DecodeProblem& p, int64_t row) {
-  const int64_t d = kHeadDim > 0 ? kHeadDim : p.head_dim;
+  const int64_t d = kHeadDim > 0 ? kHeadDim : p.head_dim, full = d / kLanes * kLanes;
   const int64_t heads = p.kv_heads * p.group;  // query heads; query head x reads KV head x / group
   const float* q = p.q + row * heads * d;
   float* out = p.out + row * heads * d;
   std::fill(out, out + heads * d, 0.0f);
   const int64_t len = std::min<int64_t>(p.visible[row], p.pages_per_row * p.page_size);
   if (len <= 0) return;
-  const int32_t* row_pages = p.pages + row * p.pages_per_row;
-  auto position = [&](const float* pool, int64_t j) {  // [kv_heads, head_dim] of position j
-    const int64_t page = std::clamp<int64_t>(row_pages[j / p.page_size], 0, p.num_pages - 1);
-    return pool + (page * p.page_size + j % p.page_size) * p.kv_heads * d;
-  };
-
-  thread_local std::vector<float> scores;  // [heads, len]: each head's softmax runs over contiguous scores
-  scores.resize(heads * len);
-  for (int64_t j = 0; j < len; ++j) {
-    const float* k = position(p.k_pages, j);
-    for (int64_t h = 0; h < heads; ++h) scores[h * len + j] = dot<kHeadDim>(q + h * d, k + h / p.group * d, d);
-  }
-  thread_local std::vector<float> denom;
-  denom.assign(heads, 0.0f);
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  thread_local std::vector<float> scores;  // [heads, padded]
+  thread_local std::vector<int64_t> offsets;
+  thread_local std::vector<const float*> k_rows, v_rows;  // [kv_heads, head_dim] of each position
+  scores.resize(heads * padded);
+  position_offsets(p.pages + row * p.pages_per_row, len, p.page_size, p.num_pages, p.kv_heads * d, offsets);
+  k_rows.resize(padded);
+  v_rows.resize(len);
+  for (int64_t j = 0; j < padded; ++j) k_rows[j] = p.k_pages + offsets[std::min(j, len - 1)];
+  for (int64_t j = 0; j < len; ++j) v_rows[j] = p.v_pages + offsets[j];
   for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores.data() + h * len;
-    float max = -INFINITY;
-#pragma omp simd reduction(max : max)
-    for (int64_t j = 0; j < len; ++j) max = std::max(max, s[j]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) {
-      s[j] = exp_nonpositive(s[j] - max);
-      sum += s[j];
+    const float* qh = q + h * d;
+    const int64_t kv = h / p.group * d;
+    float* s = scores.data() + h * padded;
+    for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
+      Vec part[kLanes];
+      for (int t = 0; t < kLanes; ++t) {
+        const float* k = k_rows[j0 + t] + kv;
+        Vec sum = {};
+        for (int64_t i = 0; i < full; i += kLanes) sum += load(qh + i) * load(k + i);
+        for (int64_t i = full; i < d; ++i) sum[0] += qh[i] * k[i];
+        part[t] = sum;
+      }
+      store(s + j0, lane_sums(part));
     }
-    denom[h] = sum;  // >= 1: the max's own term is exp(0)
-  }
-  for (int64_t j = 0; j < len; ++j) {
-    const float* v = position(p.v_pages, j);
-    for (int64_t h = 0; h < heads; ++h) {
-      const float weight = scores[h * len + j];
-      const float* vh = v + h / p.group * d;
-      float* o = out + h * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] += weight * vh[i];
+    Vec max = Vec{} - INFINITY;
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const Vec x = load(s + j);
+      max = x > max ? x : max;
     }
-  }
-  for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.0f / denom[h];
+    float row_max = -INFINITY;
+    for (int l = 0; l < kLanes; ++l) row_max = std::max(row_max, max[l]);
+    for (int64_t j = 0; j < padded; j += kLanes) store(s + j, exp_nonpositive(load(s + j) - row_max));
+    std::fill(s + len, s + padded, 0.0f);  // past the row: the last tile repeated its last position
+    Vec sum = {};
+    for (int64_t j = 0; j < padded; j += kLanes) sum += load(s + j);
+    float denom = 0.0f;  // >= 1: the max's own term is exp(0)
+    for (int l = 0; l < kLanes; ++l) denom += sum[l];
     float* o = out + h * d;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+    for (int64_t c = 0; c < full; c += 4 * kLanes) {  // up to 4 vectors of the output in registers,
+      const int64_t n = std::min<int64_t>(4, (full - c) / kLanes);  // 4 positions' sums apart (no waiting
+      Vec acc[4][4] = {};                                           // on one chain of adds)
+      int64_t j = 0;
+      for (; j + 4 <= len; j += 4)
+        for (int u = 0; u < 4; ++u)
+          for (int64_t t = 0; t < n; ++t) acc[u][t] += s[j + u] * load(v_rows[j + u] + kv + c + t * kLanes);
+      for (; j < len; ++j)
+        for (int64_t t = 0; t < n; ++t) acc[0][t] += s[j] * load(v_rows[j] + kv + c + t * kLanes);
+      for (int64_t t = 0; t < n; ++t)
+        store(o + c + t * kLanes, ((acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t])) / denom);
+    }
+    for (int64_t i = full; i < d; ++i) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < len; ++j) acc += s[j] * v_rows[j][kv + i];
+      o[i] = acc / denom;
+    }
   }
 }
 
@@ -301,9 +347,10 @@ inline void weigh_tile(const float* p, const float* v, float* out, int64_t posit
 void attend_prefill(const PrefillProblem& p, const QueryBlock& b) {
   const int64_t d = p.head_dim, width = (d + kWidth - 1) / kWidth * kWidth;
   const int64_t rows = b.count * p.group, stride = (rows + kLanes - 1) / kLanes * kLanes;
-  const int32_t* seq_pages = p.pages + b.seq * p.pages_per_seq;
-
   thread_local std::vector<float> qt, v, scores, acc, position, row_max, denom;
+  thread_local std::vector<int64_t> offsets;
+  position_offsets(p.pages + b.seq * p.pages_per_seq, b.visible_end, p.page_size, p.num_pages, p.kv_heads * d,
+                   offsets);
   qt.assign(d * stride, 0.0f);                // [head_dim, stride]: Q transposed
   v.assign(kKvBlock * width, 0.0f);           // [kKvBlock, width]
   scores.resize(kKvBlock * stride);           // [kKvBlock, stride]
@@ -317,10 +364,7 @@ void attend_prefill(const PrefillProblem& p, const QueryBlock& b) {
     const float* src = p.q + (((b.first + r / p.group) * p.kv_heads + b.kv_head) * p.group + r % p.group) * d;
     for (int64_t i = 0; i < d; ++i) qt[i * stride + r] = src[i];
   }
-  auto at = [&](const float* pool, int64_t j) {  // head kv_head's [head_dim] at KV position j
-    const int64_t page = std::clamp<int64_t>(seq_pages[j / p.page_size], 0, p.num_pages - 1);
-    return pool + ((page * p.page_size + j % p.page_size) * p.kv_heads + b.kv_head) * d;
-  };
+  auto at = [&](const float* pool, int64_t j) { return pool + offsets[j] + b.kv_head * d; };  // [head_dim]
 
   for (int64_t j0 = 0; j0 < b.visible_end; j0 += kKvBlock) {
     const int64_t n = std::min(kKvBlock, b.visible_end - j0);
