@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
 DECODE_TARGET = "jaxcpp_paged_decode_attention"
 PREFILL_TARGET = "jaxcpp_paged_prefill_attention"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 CACHE_ENV = "JAXCPP_KERNEL_CACHE_DIR"  # where built kernels go (default $XDG_CACHE_HOME/jaxcpp/kernels)
 SWITCH_ENV = "JAXCPP_CPU_ATTENTION_KERNEL"  # "0": XLA ops serve every token; "decode" / "prefill": that kernel only
 PARTS = ("decode", "prefill")

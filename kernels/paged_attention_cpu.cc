@@ -311,12 +311,14 @@ inline void score_tile(const float* const* k, const float* qt, float* scores, in
     for (int c = 0; c < kChunks; ++c) store(scores + j * stride + c * kLanes, acc[j][c]);
 }
 
-inline void score_tile(const float* const* k, const float* qt, float* scores, int64_t d, int64_t stride) {
-  switch (stride / kLanes) {
-    case 1: return score_tile<1>(k, qt, scores, d, stride);
-    case 2: return score_tile<2>(k, qt, scores, d, stride);
-    case 3: return score_tile<3>(k, qt, scores, d, stride);
-    default: return score_tile<4>(k, qt, scores, d, stride);
+inline void score_tiles(const float* const* k, const float* qt, float* scores, int64_t d, int64_t stride) {
+  for (int64_t r = 0; r < stride; r += 4 * kLanes) {  // more than 64 rows only where group > 64
+    switch (std::min<int64_t>(4, (stride - r) / kLanes)) {
+      case 1: score_tile<1>(k, qt + r, scores + r, d, stride); break;
+      case 2: score_tile<2>(k, qt + r, scores + r, d, stride); break;
+      case 3: score_tile<3>(k, qt + r, scores + r, d, stride); break;
+      default: score_tile<4>(k, qt + r, scores + r, d, stride);
+    }
   }
 }
 
@@ -372,7 +374,7 @@ void attend_prefill(const PrefillProblem& p, const QueryBlock& b) {
     for (int64_t j = 0; j < n; j += 4) {  // positions past n repeat the last one: masked below
       const float* k[4];
       for (int t = 0; t < 4; ++t) k[t] = at(p.k_pages, j0 + std::min(j + t, n - 1));
-      score_tile(k, qt.data(), scores.data() + j * stride, d, stride);
+      score_tiles(k, qt.data(), scores.data() + j * stride, d, stride);
     }
     // The online softmax, kLanes rows at a time; position j0 + j is seen by rows at or past it (causal).
     for (int64_t c = 0; c < stride; c += kLanes) {

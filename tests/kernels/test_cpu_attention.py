@@ -45,7 +45,8 @@ def test_auto_takes_the_kernel_on_cpu():
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_dim,group,page_size", [(64, 2, 16), (128, 4, 16), (64, 1, 64), (80, 3, 16)])
+@pytest.mark.parametrize("head_dim,group,page_size", [(32, 2, 16), (64, 2, 16), (128, 4, 16), (64, 1, 64),
+                                                      (80, 3, 16)])
 def test_matches_the_reference(head_dim, group, page_size):
     batch = decode_batch(head_dim=head_dim, group=group, page_size=page_size)
     want = jax.jit(ragged_paged_attention_reference)(*batch)
@@ -100,7 +101,7 @@ def test_auto_takes_the_prefill_kernel_on_cpu():
 
 @needs_kernel
 @pytest.mark.parametrize("head_dim,group,page_size", [(32, 2, 16), (64, 2, 16), (128, 4, 16), (64, 1, 64),
-                                                      (80, 3, 16), (16, 8, 16)])
+                                                      (80, 3, 16), (16, 8, 16), (16, 72, 16)])
 def test_prefill_matches_the_reference(head_dim, group, page_size):
     batch = prefill_batch(head_dim=head_dim, group=group, page_size=page_size)
     want = jax.jit(ragged_paged_attention_reference)(*batch)
