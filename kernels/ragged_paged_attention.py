@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxcpp.kernels import cpu_decode_attention
+from jaxcpp.kernels import cpu_attention
 from jaxcpp.kernels.metadata import AttentionMetadata
 
 Array = jax.Array
@@ -516,7 +516,6 @@ def _prefill_blocks(qb: Array, tok_seq: Array, tok_visible: Array, first: Array,
 
 
 DECODE_GROUP_ROWS = 8  # decode rows per group of the XLA path: each group loops to its own longest row
-DECODE_KERNELS = ("auto", "cpp", "xla")  # decode rows: C++ custom call reading pages in place, or XLA ops
 
 
 def _decode_attention(qg: Array, k_pages: Array, v_pages: Array, page_indices: Array, kv_visible: Array, *,
@@ -547,17 +546,24 @@ def _decode_attention(qg: Array, k_pages: Array, v_pages: Array, page_indices: A
     return jnp.zeros_like(sorted_out).at[order].set(sorted_out)
 
 
-def _use_decode_kernel(decode_kernel: str, k_pages: jax.Array, v_pages: jax.Array) -> bool:
-    """Whether the decode rows take the C++ kernel: "auto" on CPU for float32 pages where it builds."""
-    if decode_kernel not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
-    if decode_kernel == "xla":
+CPU_KERNELS = ("auto", "cpp", "xla")  # C++ custom call reading pages in place, or XLA ops
+
+
+def _use_cpp_kernel(choice: str, part: str, k_pages: jax.Array, v_pages: jax.Array) -> bool:
+    """Whether `part` ("decode", "prefill") takes its C++ kernel: "auto" on CPU for float32 pages where it
+    builds and `JAXCPP_CPU_ATTENTION_KERNEL` allows it."""
+    field = f"{part}_kernel"
+    if choice not in CPU_KERNELS:
+        raise ValueError(f"{field} must be one of {CPU_KERNELS}, got {choice!r}")
+    if choice == "xla":
         return False
     fits = jax.default_backend() == "cpu" and k_pages.dtype == v_pages.dtype == jnp.float32
-    if decode_kernel == "cpp" and not (fits and cpu_decode_attention.available()):
-        raise ValueError(f"decode_kernel='cpp' needs the CPU backend, float32 pages (got {k_pages.dtype}) and "
-                         f"a C++ compiler to build {cpu_decode_attention.SOURCE.name} (see the log)")
-    return fits and cpu_decode_attention.available()
+    usable = fits and cpu_attention.enabled(part) and cpu_attention.available()
+    if choice == "cpp" and not usable:
+        raise ValueError(f"{field}='cpp' needs the CPU backend, float32 pages (got {k_pages.dtype}), a C++ "
+                         f"compiler to build {cpu_attention.SOURCE.name} (see the log) and "
+                         f"{cpu_attention.SWITCH_ENV} unset or {part!r}")
+    return usable
 
 
 def ragged_paged_attention_xla(
@@ -572,14 +578,16 @@ def ragged_paged_attention_xla(
     kv_block_tokens: int | None = None,
     group_blocks: int = DEFAULT_XLA_GROUP_BLOCKS,
     decode_kernel: str = "auto",
+    prefill_kernel: str = "auto",
 ) -> jax.Array:  # [T, num_heads, head_dim]
-    """The reference's contract and math, with prefill KV gathered once per query block: the CPU path.
+    """The reference's contract and math: the CPU path.
 
     Decodes (the first `num_decodes` tokens, restricted to the first S tokens) go, per `decode_kernel`,
-    through the C++ custom call that reads their pages in place ("cpp"; `cpu_decode_attention`) or the
-    reference's per-token gather in XLA ops ("xla"); "auto" takes the C++ one on CPU for float32 pages
-    where it builds. Prefill tokens go through `_prefill_attention`. Each token belongs to exactly one
-    part and the other gives it 0. All loop bounds are data: a new decode/prefill mix compiles nothing.
+    through the C++ custom call that reads their pages in place ("cpp"; `cpu_attention`) or the
+    reference's per-token gather in XLA ops ("xla"); prefill tokens, per `prefill_kernel`, through the
+    C++ prefill call or `_prefill_attention` (KV gathered once per query block). "auto" takes the C++
+    ones on CPU for float32 pages where they build. Each token belongs to exactly one part and the other
+    gives it 0. All loop bounds are data: a new decode/prefill mix compiles nothing.
     """
     num_tokens = q.shape[0]
     _, page_size, num_kv_heads, head_dim = k_pages.shape
@@ -592,13 +600,15 @@ def ragged_paged_attention_xla(
     # Decodes: the first S tokens, each its own sequence (token i is sequence i); the rest see nothing.
     n = min(md.kv_lens.shape[0], num_tokens)
     kv_visible = jnp.where(jnp.arange(n) < md.num_decodes, md.kv_lens[:n], 0)
-    if _use_decode_kernel(decode_kernel, k_pages, v_pages):
-        decode = cpu_decode_attention.paged_decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n],
-                                                             kv_visible)
+    if _use_cpp_kernel(decode_kernel, "decode", k_pages, v_pages):
+        decode = cpu_attention.paged_decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible)
     else:
         decode = _decode_attention(qg[:n], k_pages, v_pages, md.page_indices[:n], kv_visible,
                                    block_pages=block_pages)
-    prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages,
-                                 group_blocks=group_blocks)
+    if _use_cpp_kernel(prefill_kernel, "prefill", k_pages, v_pages):
+        prefill = cpu_attention.paged_prefill_attention(qg, k_pages, v_pages, md)
+    else:
+        prefill = _prefill_attention(qg, k_pages, v_pages, md, block_q=block_q, block_pages=block_pages,
+                                     group_blocks=group_blocks)
     out = prefill.at[:n].add(decode)  # disjoint: each part gives the other's tokens 0
     return _times_v_scale(out, kv_scales).reshape(q.shape).astype(q.dtype)

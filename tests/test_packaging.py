@@ -35,7 +35,7 @@ def test_wheel_builds_without_package_data_warnings(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "jaxcpp/models/checkpoints/tiny/config.json" in names
     assert "jaxcpp/serving/proto/jaxcpp/v1/jaxcpp.proto" in names
-    assert "jaxcpp/kernels/paged_decode_attention_cpu.cc" in names  # built on first use on CPU
+    assert "jaxcpp/kernels/paged_attention_cpu.cc" in names  # built on first use on CPU
 
 
 @pytest.mark.parametrize("name", ["kernels", "models"])
