@@ -6,14 +6,15 @@
 // operand, each layer, each step (and transposes it for its batched dot); these kernels read each K and V
 // position from the cache itself, as vLLM's CPU attention does.
 //
-// Decode: one task per decode row: each query head scores every visible position, then a softmax over
-// the whole row (max, exp, sum) and the probability-weighted sum of V.
+// Decode: one task per decode row: each query head scores every visible position 16 at a time (their
+// products kept as vectors and reduced together), then a softmax over the whole row and the weighted sum
+// of V in registers.
 //
 // Prefill: one task per (query block of one chunk, KV head): the block's rows (its tokens x the query
 // heads of that KV head) fold the chunk's visible KV positions in blocks of kKvBlock into an online
-// softmax. Both products are shaped for the vector units: a KV block's K is copied transposed ([head_dim,
-// positions]) so that a row's scores are multiply-adds along the positions, and a row's output adds
-// probability x V along head_dim; a row never reduces across a vector (the decode kernel's one-row dots do).
+// softmax. Queries are held transposed ([head_dim, rows]) and scores too ([position, row]), so that q.k
+// is multiply-adds along 16 rows at once and the softmax runs along rows with no reduction across a
+// vector; p.v is a register tile of rows x head_dim.
 //
 // fp32 throughout. A row's result depends on its own inputs only, never on the rows beside it. Tasks are
 // shared with XLA's intra-op thread pool: the calling thread claims tasks too and only waits for tasks
@@ -81,42 +82,26 @@ inline Vec load(const float* p) {
 }
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
-// The three steps of exp_nonpositive that differ between a float and a vector of them, exact in both.
-inline float at_least(float x, float low) { return std::max(x, low); }
-inline Vec at_least(Vec x, float low) { return x < low ? Vec{} + low : x; }
-inline float round_down(float y) { return std::floor(y); }
-inline Vec round_down(Vec y) {  // y's integer part (|y| < 2^31), minus 1 where y is negative and not whole
-  const Vec t = __builtin_convertvector(__builtin_convertvector(y, IntVec), Vec);
-  return t > y ? t - 1.0f : t;
-}
-inline float two_to(float n) {
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return two_n;
-}
-inline Vec two_to(Vec n) { return reinterpret_cast<Vec>((__builtin_convertvector(n, IntVec) + 127) << 23); }
-
-// exp(x) for x <= 0 (a score minus its row's max), within 2 ulp of std::exp: Cephes' expf (x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n built in the exponent bits), on a vector of
-// floats (the compiler left a loop of scalar ones unvectorized) or a float (the same bits). std::exp is
-// a library call per element and was the largest part of a small-head row (head_dim 32: one exp per 64
-// multiply-adds). Below -87.3
-// (2^-126, the smallest normal float) it returns that instead of underflowing further: a term of 1e-38
-// beside the max's own term of 1 changes no float32 sum.
-template <typename T>
-inline T exp_nonpositive(T x) {
-  x = at_least(x, -87.3f);
-  const T n = round_down(x * 1.44269504088896341f + 0.5f);
-  T r = x - n * 0.693359375f;  // ln 2 in two parts (Cody-Waite), exact in n * hi
+// exp(x) for x <= 0 (a score minus its row's max), on a vector of floats, within 2 ulp of std::exp:
+// Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n built in the
+// exponent bits). std::exp is a library call per element and was the largest part of a small-head row
+// (head_dim 32: one exp per 64 multiply-adds), and a loop of scalar calls to this formula was left
+// unvectorized by the compiler. Below -87.3 (2^-126, the smallest normal float) it returns that instead
+// of underflowing further: a term of 1e-38 beside the max's own term of 1 changes no float32 sum.
+inline Vec exp_nonpositive(Vec x) {
+  x = x < -87.3f ? Vec{} - 87.3f : x;
+  Vec n = x * 1.44269504088896341f + 0.5f;  // then rounded down: its integer part, minus 1 below zero
+  const Vec whole = __builtin_convertvector(__builtin_convertvector(n, IntVec), Vec);
+  n = whole > n ? whole - 1.0f : whole;
+  Vec r = x - n * 0.693359375f;  // ln 2 in two parts (Cody-Waite), exact in n * hi
   r = r - n * -2.12194440e-4f;
-  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  Vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * two_to(n);
+  return p * reinterpret_cast<Vec>((__builtin_convertvector(n, IntVec) + 127) << 23);  // times 2^n
 }
 
 // Where positions [0, count) of a sequence lie in a page pool, page by page (no division per position):
