@@ -175,13 +175,8 @@ void attend_decode(const DecodeProblem& p, int64_t row) {
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   thread_local std::vector<float> scores;  // [heads, padded]
   thread_local std::vector<int64_t> offsets;
-  thread_local std::vector<const float*> k_rows, v_rows;  // [kv_heads, head_dim] of each position
   scores.resize(heads * padded);
   position_offsets(p.pages + row * p.pages_per_row, len, p.page_size, p.num_pages, p.kv_heads * d, offsets);
-  k_rows.resize(padded);
-  v_rows.resize(len);
-  for (int64_t j = 0; j < padded; ++j) k_rows[j] = p.k_pages + offsets[std::min(j, len - 1)];
-  for (int64_t j = 0; j < len; ++j) v_rows[j] = p.v_pages + offsets[j];
   for (int64_t h = 0; h < heads; ++h) {
     const float* qh = q + h * d;
     const int64_t kv = h / p.group * d;
@@ -189,7 +184,7 @@ void attend_decode(const DecodeProblem& p, int64_t row) {
     for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
       Vec part[kLanes];
       for (int t = 0; t < kLanes; ++t) {
-        const float* k = k_rows[j0 + t] + kv;
+        const float* k = p.k_pages + offsets[std::min(j0 + t, len - 1)] + kv;  // past len: the last again
         Vec sum = {};
         for (int64_t i = 0; i < full; i += kLanes) sum += load(qh + i) * load(k + i);
         for (int64_t i = full; i < d; ++i) sum[0] += qh[i] * k[i];
@@ -214,18 +209,19 @@ void attend_decode(const DecodeProblem& p, int64_t row) {
     for (int64_t c = 0; c < full; c += 4 * kLanes) {  // up to 4 vectors of the output in registers,
       const int64_t n = std::min<int64_t>(4, (full - c) / kLanes);  // 4 positions' sums apart (no waiting
       Vec acc[4][4] = {};                                           // on one chain of adds)
+      const float* v = p.v_pages + kv + c;  // + a position's offset: its head's columns [c, c + 64)
       int64_t j = 0;
       for (; j + 4 <= len; j += 4)
         for (int u = 0; u < 4; ++u)
-          for (int64_t t = 0; t < n; ++t) acc[u][t] += s[j + u] * load(v_rows[j + u] + kv + c + t * kLanes);
+          for (int64_t t = 0; t < n; ++t) acc[u][t] += s[j + u] * load(v + offsets[j + u] + t * kLanes);
       for (; j < len; ++j)
-        for (int64_t t = 0; t < n; ++t) acc[0][t] += s[j] * load(v_rows[j] + kv + c + t * kLanes);
+        for (int64_t t = 0; t < n; ++t) acc[0][t] += s[j] * load(v + offsets[j] + t * kLanes);
       for (int64_t t = 0; t < n; ++t)
         store(o + c + t * kLanes, ((acc[0][t] + acc[1][t]) + (acc[2][t] + acc[3][t])) / denom);
     }
     for (int64_t i = full; i < d; ++i) {
       float acc = 0.0f;
-      for (int64_t j = 0; j < len; ++j) acc += s[j] * v_rows[j][kv + i];
+      for (int64_t j = 0; j < len; ++j) acc += s[j] * p.v_pages[offsets[j] + kv + i];
       o[i] = acc / denom;
     }
   }
@@ -345,11 +341,13 @@ void attend_prefill(const PrefillProblem& p, const QueryBlock& b) {
   position.resize(stride);                    // of each row's token (float: exact below 2^24)
   row_max.assign(stride, -INFINITY);
   denom.assign(stride, 0.0f);
+  auto row_at = [&](int64_t r) {  // row r's [head_dim] offset in q and out ([tokens, kv_heads, group, head_dim])
+    return (((b.first + r / p.group) * p.kv_heads + b.kv_head) * p.group + r % p.group) * d;
+  };
   for (int64_t r = 0; r < stride; ++r) {
     position[r] = static_cast<float>(b.visible_end - b.count + std::min(r, rows - 1) / p.group);
     if (r >= rows) continue;
-    const float* src = p.q + (((b.first + r / p.group) * p.kv_heads + b.kv_head) * p.group + r % p.group) * d;
-    for (int64_t i = 0; i < d; ++i) qt[i * stride + r] = src[i];
+    for (int64_t i = 0; i < d; ++i) qt[i * stride + r] = p.q[row_at(r) + i];
   }
   auto at = [&](const float* pool, int64_t j) { return pool + offsets[j] + b.kv_head * d; };  // [head_dim]
 
@@ -391,7 +389,7 @@ void attend_prefill(const PrefillProblem& p, const QueryBlock& b) {
         weigh_tile(scores.data() + r, v.data() + c, acc.data() + r * width + c, n, stride, width);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = p.out + (((b.first + r / p.group) * p.kv_heads + b.kv_head) * p.group + r % p.group) * d;
+    float* dst = p.out + row_at(r);
     const float inv = 1.0f / denom[r];  // >= 1: a row sees position 0 at least, and its max's own term
     for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * width + i] * inv;
   }
