@@ -8,7 +8,7 @@ warmed up too (its first batch, untimed) before it is timed. HF runs each batch
 left-padded, greedy, to the batch's longest output (its `generate` cannot stop rows separately without
 wasting their slots), and only the tokens each request asked for are counted for either engine.
 jaxcpp's padding share (padded tokens over all tokens its steps ran) is printed too, and with
-`--price-decode-ladders` what it would have been with other decode-only rungs (the schedule does not
+`--price-decode-ladders` what it would have been with other rungs below the token buckets (the schedule does not
 depend on them, so the recorded steps price any ladder).
 
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 64 --model tiny
@@ -48,14 +48,14 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 
 def record_step_tokens(llm) -> list[tuple[int, int, bool]]:
-    """(real tokens, padded tokens, decode-only) of every step the engine submits from now on."""
+    """(real tokens, padded tokens, may take a rung) of every step the engine submits from now on."""
     steps: list[tuple[int, int, bool]] = []
     submit = llm.engine.executor.submit
 
     def recording_submit(request):
         step = request.step
-        decode_only = int(step.num_decodes) == int(step.num_seqs)
-        steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded, decode_only))  # padding repeats the end
+        on_rungs = bool((step.prompt_targets < 0).all())  # scores no prompt token (`step_bucket`)
+        steps.append((int(step.cu_q_lens[-1]), step.num_tokens_padded, on_rungs))  # padding repeats the end
         return submit(request)
 
     llm.engine.executor.submit = recording_submit
@@ -181,16 +181,16 @@ def jaxcpp_child(spec: str) -> None:
 
 
 def price_decode_ladders(run: dict, ladders: list[list[int]], args: argparse.Namespace) -> None:
-    """The recorded steps' padding share on the token buckets with each decode-only ladder."""
+    """The recorded steps' padding share on the token buckets with each ladder of rungs below them."""
     from jaxcpp.core.buckets import padding_share, token_buckets
 
     real = [n for n, _, _ in run["step_tokens"]]
-    decode_only = [d for _, _, d in run["step_tokens"]]
+    on_rungs = [d for _, _, d in run["step_tokens"]]
     buckets = token_buckets(args.max_num_batched_tokens, 16)
     for rungs in ladders:
         rungs = [r for r in rungs if r < buckets[0]]
-        share = padding_share(real, buckets, decode_only=decode_only, decode_rungs=rungs)
-        print(f"  decode-only rungs {rungs or 'none'}: padding share {100 * share:.1f}% "
+        share = padding_share(real, buckets, on_rungs=on_rungs, decode_rungs=rungs)
+        print(f"  rungs {rungs or 'none'}: padding share {100 * share:.1f}% "
               f"({len(rungs) + len(buckets)} programs)")
 
 
@@ -220,7 +220,7 @@ def main() -> None:
                    help="also run jaxcpp as the whole package in these checkouts (e.g. `git worktree add DIR REV`), "
                         "alternating: a bisect over commits")
     p.add_argument("--price-decode-ladders", nargs="*", default=[], metavar="RUNGS",
-                   help="also price the recorded steps with these decode-only rungs, e.g. 8,16,32 16,32 none")
+                   help="also price the recorded steps with these rungs below the token buckets, e.g. 8,16,32 16,32 none")
     p.add_argument("--stub-attention", action="store_true",
                    help="jaxcpp with attention replaced by the identity: the step's cost outside attention")
     p.add_argument("--repeat", type=int, default=1, help="runs per engine, alternating; medians are printed")

@@ -5,10 +5,12 @@ doubles every time the size doubles (at most 8 rungs per octave) so padding wast
 past the first octaves while the number of programs grows only logarithmically. The sequence count of
 a step is padded to `min(token bucket, max_num_seqs)`, so there is exactly one program per token bucket.
 
-Decode-only steps (one token per running sequence, no prompt chunk) may also take a short ladder below
-the alignment, `DECODE_LADDER` (`decode_buckets`): once the prompts are in, a step of a few decodes
-would otherwise compute 64 rows for each token. Steps that carry any prompt chunk never take those
-rungs, so what chunked prefill computes (and the chunk sizes the controller snaps to) is unchanged.
+A step of few tokens may also take a short ladder below the alignment, `DECODE_LADDER`
+(`decode_buckets`), made for decode-only steps: once the prompts are in, a step of a few decodes would
+otherwise compute 64 rows for each token. A step with prompt chunks takes it too (a lone short prompt's
+prefill computed 64 rows for its 32 tokens: the TTFT of a short prompt at concurrency 1), unless it
+scores prompt tokens (`prompt_logprobs`): that program works in blocks of 64 rows and exists only for
+the token buckets. Dynamic chunking still snaps chunk sizes to the token buckets.
 
 The sampler, one program for every bucket, takes max_num_seqs rows of logits; its plain program (no
 penalty history, no grammar mask: what nearly every step runs) draws only the first `sampler_rows` of
@@ -22,7 +24,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-# Rungs below the alignment for decode-only steps; chosen from the mixed workload's padding share and
+# Rungs below the alignment, for steps of few tokens (decodes, a short prompt); chosen from the mixed workload's padding share and
 # the cold start each program costs (docs/benchmarks.md, "Decode-only buckets").
 DECODE_LADDER = (8, 16, 32)
 
@@ -54,9 +56,10 @@ def decode_buckets(max_num_seqs: int, page_size: int) -> list[int]:
     return rungs
 
 
-def step_bucket(num_tokens: int, decode_only: bool, buckets: list[int], decode_rungs: Sequence[int] = ()) -> int:
-    """The token bucket a step runs in: the smallest that holds it, a decode rung only if `decode_only`."""
-    return pad_to_bucket(num_tokens, [*decode_rungs, *buckets] if decode_only else buckets)
+def step_bucket(num_tokens: int, on_rungs: bool, buckets: list[int], decode_rungs: Sequence[int] = ()) -> int:
+    """The token bucket a step runs in: the smallest that holds it, a rung below the buckets only if
+    `on_rungs` (the step scores no prompt token: `SchedulerOutput.fits_rungs`)."""
+    return pad_to_bucket(num_tokens, [*decode_rungs, *buckets] if on_rungs else buckets)
 
 
 def pad_to_bucket(n: int, buckets: list[int]) -> int:
@@ -89,15 +92,15 @@ def sampler_rows(num_seqs: int | None, max_num_seqs: int) -> int:
     return max_num_seqs if num_seqs is None else min(1 << (max(num_seqs, 1) - 1).bit_length(), max_num_seqs)
 
 
-def padding_share(step_tokens: list[int], buckets: list[int], *, decode_only: Sequence[bool] = (),
+def padding_share(step_tokens: list[int], buckets: list[int], *, on_rungs: Sequence[bool] = (),
                   decode_rungs: Sequence[int] = ()) -> float:
     """The share of padding in the tokens a run's steps computed: sum(bucket - n) / sum(bucket).
 
-    `step_tokens` are the real token counts of the steps and `decode_only` which of them carried no
-    prompt chunk (the schedule does not depend on the ladder, so one recorded run prices any ladder)."""
+    `step_tokens` are the real token counts of the steps and `on_rungs` which of them may take a rung
+    (`step_bucket`; the schedule does not depend on the ladder, so one recorded run prices any ladder)."""
     if not step_tokens:
         raise ValueError("step_tokens is empty: no steps to price")
-    flags = list(decode_only) or [False] * len(step_tokens)
+    flags = list(on_rungs) or [False] * len(step_tokens)
     padded = sum(step_bucket(n, d, buckets, decode_rungs) for n, d in zip(step_tokens, flags, strict=True))
     return (padded - sum(step_tokens)) / padded
 

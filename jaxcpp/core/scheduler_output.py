@@ -62,6 +62,6 @@ class SchedulerOutput:
                    for c in self.chunks)
 
     @property
-    def is_decode_only(self) -> bool:
-        """One token for each of its sequences and no prompt chunk: it may take a decode rung."""
-        return bool(self.chunks) and self.num_decodes == len(self.chunks)
+    def fits_rungs(self) -> bool:
+        """It may take a rung below the token buckets (`jaxcpp.core.buckets`): it scores no prompt token."""
+        return bool(self.chunks) and not self.wants_prompt_logprobs

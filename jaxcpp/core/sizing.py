@@ -69,7 +69,7 @@ class EngineSizing:
     token_buckets: list[int]        # multiples of max(64, page size); dynamic chunking snaps chunks to them
     max_num_seqs: int
     layers: list[tuple[int, int]]   # [start, end) of each pipeline stage
-    decode_buckets: list[int]       # below the token buckets, for decode-only steps
+    decode_buckets: list[int]       # below the token buckets, for steps that score no prompt token
     kv_cache_dtype: str = "float32"  # what the pages hold: the model's dtype, or float8_e4m3fn / float8_e5m2
 
     @property

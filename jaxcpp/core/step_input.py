@@ -1,7 +1,8 @@
 """A scheduled step (`SchedulerOutput`) -> padded host arrays: one bucket-shaped batch, one transfer (no jax).
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
-token bucket T (a decode-only step: possibly a decode rung below the others, `jaxcpp.core.buckets`) and the
+token bucket T (a step of few tokens scoring no prompt token: possibly a rung below the others,
+`jaxcpp.core.buckets`) and the
 sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
 the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
 padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
@@ -79,16 +80,16 @@ class StepShape:
     max_num_seqs: int
     pages_per_seq: int
     page_size: int
-    decode_buckets: list[int] = field(default_factory=list)  # below those, decode-only steps only
+    decode_buckets: list[int] = field(default_factory=list)  # below those: steps that score no prompt token
 
     @property
     def buckets(self) -> list[int]:
         """Every token count a program is compiled for, ascending."""
         return [*self.decode_buckets, *self.token_buckets]
 
-    def takes_prompt_chunks(self, num_tokens: int) -> bool:
-        """Whether a step of this bucket may carry prompt chunks (and so prompt tokens to score): every
-        bucket but the decode-only rungs."""
+    def scores_prompt_tokens(self, num_tokens: int) -> bool:
+        """Whether a step of this bucket may score prompt tokens (`prompt_logprobs`): every bucket but the
+        rungs below the token buckets."""
         return num_tokens in self.token_buckets
 
 
@@ -101,7 +102,7 @@ def build_step_input(sched: SchedulerOutput, shape: StepShape) -> StepInput:
     """Per-sequence values gathered into lists and written once per field, but for the page table
     rows and the fed-back rows, one per chunk (a decode step of 64 sequences is 64 one-token chunks:
     per-chunk numpy calls for every field would dominate the host's step)."""
-    num_tokens = step_bucket(sched.num_tokens, sched.is_decode_only, shape.token_buckets, shape.decode_buckets)
+    num_tokens = step_bucket(sched.num_tokens, sched.fits_rungs, shape.token_buckets, shape.decode_buckets)
     step = _padding(num_tokens, seq_bucket(num_tokens, shape.max_num_seqs), shape.pages_per_seq)
     chunks, n, total = sched.chunks, len(sched.chunks), sched.num_tokens
     step.num_seqs[...] = n

@@ -93,7 +93,7 @@ class PipelineExecutor:
         for num_tokens in buckets:
             step_id = next(self._warmup_ids)
             self.submit(StepRequest(step_id, padding_step(num_tokens, shape), want_logits=True, ack=True,
-                                    want_logprobs=True, want_prompt_logprobs=shape.takes_prompt_chunks(num_tokens)))
+                                    want_logprobs=True, want_prompt_logprobs=shape.scores_prompt_tokens(num_tokens)))
             self.collect(step_id)
         self._traced = True
         log.info("warm-up: %d programs compiled and run in %.1fs", len(buckets), time.perf_counter() - start)

@@ -300,7 +300,7 @@ class Stage:
         if not self.is_last:
             return
         sampling, hidden = lowered.out_info[0]
-        if shape.takes_prompt_chunks(num_tokens):  # no prompt-logprob program for a decode-only rung
+        if shape.scores_prompt_tokens(num_tokens):  # no prompt-logprob program for a rung
             self._prompt_logprobs.lower(self.params, hidden, self._aval(buf.shape, buf.dtype),
                                         layout=layout).compile()
         with self._sampler_lock:  # the sampler takes what every bucket program gives it: compile it once

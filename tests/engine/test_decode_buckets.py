@@ -1,5 +1,5 @@
-"""Decode-only steps take the short ladder below 64; every step with a prompt chunk keeps the
-multiples of max(64, page size), so what chunked prefill computes is unchanged. Host only (fake
+"""Steps of few tokens take the short ladder below 64 (decodes, and prompt chunks that score no prompt
+token); a step that scores prompt tokens keeps the multiples of max(64, page size). Host only (fake
 executor), milliseconds, but for one test on the real tiny model: the rungs change no token."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_only_a_decode_only_step_takes_a_rung_below_the_token_buckets():
 def test_padding_share_prices_decode_only_steps_on_the_rungs():
     steps, decode_only = [64, 5, 5, 100], [False, True, False, False]
     assert padding_share(steps, [64, 128]) == pytest.approx((59 + 59 + 28) / 320)
-    share = padding_share(steps, [64, 128], decode_only=decode_only, decode_rungs=[8, 16, 32])
+    share = padding_share(steps, [64, 128], on_rungs=decode_only, decode_rungs=[8, 16, 32])
     assert share == pytest.approx((3 + 59 + 28) / (64 + 8 + 64 + 128))
 
 
@@ -51,8 +51,21 @@ def test_the_engine_runs_decode_only_steps_in_the_rungs_and_compiles_nothing_aft
     decode_only = [s for s in steps if int(s.num_decodes) == int(s.num_seqs)]
     with_chunks = [s for s in steps if int(s.num_decodes) < int(s.num_seqs)]
     assert {s.num_tokens_padded for s in decode_only} == {8, 16}
-    assert with_chunks and {s.num_tokens_padded for s in with_chunks} == {64}
+    assert with_chunks and {s.num_tokens_padded for s in with_chunks if int(s.cu_q_lens[-1]) > 32} == {64}
+    assert {s.num_tokens_padded for s in with_chunks if int(s.cu_q_lens[-1]) <= 16} == {16}  # the 3 short prompts
     assert all(int(s.cu_q_lens[-1]) <= s.num_tokens_padded for s in steps)
+    assert e.stats().num_compilations_since_warmup == 0
+
+
+def test_a_short_prompt_takes_a_rung_unless_its_prompt_tokens_are_scored():
+    e = engine(max_num_batched_tokens=64, max_num_seqs=16)
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    run(e, {"short": [5, 6, 7, 8, 9]}, plain)
+    run(e, {"scored": [5, 6, 7, 8, 9]}, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                                       prompt_logprobs=1))
+    steps = e.executor.steps  # type: ignore[attr-defined]
+    prefills = [s for s in steps if int(s.num_decodes) < int(s.num_seqs)]
+    assert [(int(s.cu_q_lens[-1]), s.num_tokens_padded) for s in prefills] == [(5, 8), (5, 64)]
     assert e.stats().num_compilations_since_warmup == 0
 
 
@@ -65,12 +78,17 @@ def test_on_the_real_model_the_rungs_give_the_tokens_and_logits_of_the_64_bucket
     assert laddered.engine.sizing.shape.buckets == [8, 16, 64]
     with compile_guard.forbid_compile():  # the rungs were compiled at start-up like every bucket
         with_rungs = laddered.generate(prompts_, params)
+        padded: list[int] = []
+        submit = laddered.engine.executor.submit
+        laddered.engine.executor.submit = lambda r: (padded.append(r.step.num_tokens_padded), submit(r))[1]
+        with_rungs += laddered.generate(prompts_[:1], params)  # a lone short prompt: its prefill on a rung
+        assert padded[0] == 16 and set(padded[1:]) == {8}
     assert laddered.engine.stats().num_compilations_since_warmup == 0
     laddered.close()
     monkeypatch.setattr(sizing, "decode_buckets", lambda *_: [])
     plain = make_llm(**flags)
     assert plain.engine.sizing.shape.buckets == [64]
-    without = plain.generate(prompts_, params)
+    without = plain.generate(prompts_, params) + plain.generate(prompts_[:1], params)
     plain.close()
     for a, b in zip(with_rungs, without, strict=True):
         assert a.token_ids == b.token_ids
