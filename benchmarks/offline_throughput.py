@@ -8,8 +8,8 @@ warmed up too (its first batch, untimed) before it is timed. HF runs each batch
 left-padded, greedy, to the batch's longest output (its `generate` cannot stop rows separately without
 wasting their slots), and only the tokens each request asked for are counted for either engine.
 jaxcpp's padding share (padded tokens over all tokens its steps ran) is printed too, and with
-`--price-decode-ladders` what it would have been with other rungs below the token buckets (the schedule does not
-depend on them, so the recorded steps price any ladder).
+`--price-decode-ladders` what it would have been with other rungs below the token buckets (the schedule
+does not depend on them, so the recorded steps price any ladder).
 
     .venv/bin/python benchmarks/offline_throughput.py --num-requests 64 --model tiny
     .venv/bin/python benchmarks/offline_throughput.py --workload decode-heavy --batch-size 64 --skip-hf \
@@ -220,7 +220,8 @@ def main() -> None:
                    help="also run jaxcpp as the whole package in these checkouts (e.g. `git worktree add DIR REV`), "
                         "alternating: a bisect over commits")
     p.add_argument("--price-decode-ladders", nargs="*", default=[], metavar="RUNGS",
-                   help="also price the recorded steps with these rungs below the token buckets, e.g. 8,16,32 16,32 none")
+                   help="also price the recorded steps with these rungs below the token buckets, "
+                        "e.g. 8,16,32 16,32 none")
     p.add_argument("--stub-attention", action="store_true",
                    help="jaxcpp with attention replaced by the identity: the step's cost outside attention")
     p.add_argument("--repeat", type=int, default=1, help="runs per engine, alternating; medians are printed")

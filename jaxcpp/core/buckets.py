@@ -24,8 +24,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-# Rungs below the alignment, for steps of few tokens (decodes, a short prompt); chosen from the mixed workload's padding share and
-# the cold start each program costs (docs/benchmarks.md, "Decode-only buckets").
+# Rungs below the alignment, for steps of few tokens (decodes, a short prompt); chosen from the mixed
+# workload's padding share and the cold start each program costs (docs/benchmarks.md, "Decode-only buckets").
 DECODE_LADDER = (8, 16, 32)
 
 
