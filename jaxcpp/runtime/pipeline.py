@@ -236,10 +236,10 @@ class PipelineExecutor:
 
     def _put_step(self, step: StepInput, bitmask: np.ndarray | None = None,
                   defer_sampling: bool = False) -> list[StageInput]:
-        """The step packed once on the host and put on every stage's devices in one `device_put`; a
-        bitmask goes to the last stage alone, as a host array its sampler's call takes (`Stage.sample`)."""
+        """The step packed once on the host and put on every stage's devices (`Stage.put`); a bitmask
+        goes to the last stage alone, as a host array its sampler's call takes (`Stage.sample`)."""
         buf, layout = pack(step)
-        put = jax.device_put([buf] * len(self.stages), [stage.replicated for stage in self.stages])
-        inputs = [StageInput(b, layout, step.needs_full_sampler, num_seqs=int(step.num_seqs)) for b in put]
+        inputs = [StageInput(stage.put(buf), layout, step.needs_full_sampler, num_seqs=int(step.num_seqs))
+                  for stage in self.stages]
         inputs[-1] = inputs[-1]._replace(bitmask=bitmask, defer_sampling=defer_sampling)
         return inputs

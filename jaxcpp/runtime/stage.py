@@ -250,6 +250,10 @@ class Stage:
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
                                         static_argnames=("layout",), out_shardings=rep)
         self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
+        # a step's packed inputs onto the stage's devices: a jitted identity, whose call costs a sixth of
+        # `jax.device_put`'s while the step before runs on every core (docs/benchmarks.md, "The host beside a
+        # 64-row step"); one small program per bucket's buffer size, compiled by warm-up's first step of it
+        self._put = jax.jit(lambda host: host, in_shardings=rep, out_shardings=rep)
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
         # disaggregation: a producer gathers a request's pages, a consumer scatters them into its own
         self._one_device = jax.sharding.SingleDeviceSharding(self.devices[0])
@@ -322,8 +326,13 @@ class Stage:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
     def receive_tokens(self, tokens: jax.Array) -> jax.Array:
-        """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read."""
-        return jax.device_put(tokens, self.replicated)
+        """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read (a
+        pipeline of one stage: already here, and `jax.device_put` of them cost ~0.2 ms of host time a step)."""
+        return tokens if tokens.sharding == self.replicated else jax.device_put(tokens, self.replicated)
+
+    def put(self, host: np.ndarray) -> jax.Array:
+        """A host array (a step's packed inputs) onto the stage's devices, replicated."""
+        return self._put(host)
 
     def run(self, batch: StageInput, hidden: jax.Array | None, fed_back: jax.Array | None = None) -> Any:
         """Dispatch the stage's program; returns activations (or StepOutput on the last stage) at once.

@@ -177,7 +177,7 @@ class StageWorker:
 
         received = time.perf_counter()
         step_id, num_tokens = header["id"], header["num_tokens"]
-        batch = StageInput(jax.device_put(arrays[0], self.stage.replicated), _layout(header["layout"]),
+        batch = StageInput(self.stage.put(arrays[0]), _layout(header["layout"]),
                            header.get("needs_full_sampler", False), num_seqs=header.get("num_seqs"))
         if header.get("bitmask") and self.stage.is_last:  # the sampler's allowed tokens (jaxcpp.structured)
             batch = batch._replace(bitmask=arrays[1])  # a host array: the sampler's call takes it
@@ -243,13 +243,12 @@ class StageWorker:
         return jax.device_put(np.zeros(aval.shape, aval.dtype), aval.sharding)
 
     def _put(self, num_tokens: int) -> Any:
-        import jax
 
         from jaxcpp.core.step_input import pack, padding_step
         from jaxcpp.runtime.stage import StageInput
 
         buf, layout = pack(padding_step(num_tokens, self.shape))
-        return StageInput(jax.device_put(buf, self.stage.replicated), layout)
+        return StageInput(self.stage.put(buf), layout)
 
     def _warmup(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
         """Every bucket's program, compiled here (as in one process) while the other stages compile
