@@ -1,6 +1,6 @@
 """The in-process executor: P stages on a ("pp", "tp") mesh, P micro-batches in flight (+1 queued; P = 1 too).
 
-    executor.submit(StepRequest(step_id, step))  # the step packed once, put on every stage in one device_put,
+    executor.submit(StepRequest(step_id, step))  # the step packed once, put on every stage (`Stage.put`),
                                         # then stage 0 .. P-1 dispatched in order, activations handed
                                         # on with device_put; nothing here waits for a device
     result = executor.collect(step_id)  # waits until the step has left the last stage, and for what
