@@ -2,8 +2,7 @@
 
 Tokens are laid out flat, decodes first, each sequence's chunk contiguous. The batch is padded to the
 token bucket T (a step of few tokens scoring no prompt token: possibly a rung below the others,
-`jaxcpp.core.buckets`) and the
-sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
+`jaxcpp.core.buckets`) and the sequence count S = min(T, max_num_seqs); padding tokens write their K/V into
 the reserved page 0 and padding sequences have zero-length queries and KV. A *padding step* is all
 padding: what an empty schedule pads to, so warm-up compiles exactly the programs real steps use.
 A decode whose input token is still on the device (async scheduling) is sent as token 0 with

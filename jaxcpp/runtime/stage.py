@@ -250,9 +250,9 @@ class Stage:
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
                                         static_argnames=("layout",), out_shardings=rep)
         self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
-        # a step's packed inputs onto the stage's devices: a jitted identity, whose call costs a sixth of
-        # `jax.device_put`'s while the step before runs on every core (docs/benchmarks.md, "The host beside a
-        # 64-row step"); one small program per bucket's buffer size, compiled by warm-up's first step of it
+        # a step's packed inputs onto the stage's devices: a jitted identity, whose call costs a third to a
+        # quarter of `jax.device_put`'s made once among the engine's other work (docs/benchmarks.md, "The host
+        # beside a 64-row decode step"); one small program per bucket's buffer size, compiled by warm-up
         self._put = jax.jit(lambda host: host, in_shardings=rep, out_shardings=rep)
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
         # disaggregation: a producer gathers a request's pages, a consumer scatters them into its own
