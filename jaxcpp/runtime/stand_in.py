@@ -76,6 +76,9 @@ class StandInStage:
     def compile(self, shape: StepShape, num_tokens: int) -> None:
         pass  # nothing to compile
 
+    def put(self, host: np.ndarray) -> jax.Array:
+        return jax.device_put(host, self.replicated)
+
     def hidden_aval(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((num_tokens,), np.int32, sharding=self.replicated)
 
