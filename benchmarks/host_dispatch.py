@@ -61,7 +61,7 @@ def dispatch_pieces() -> None:
     llm.close()
 
 
-def host_calls_beside_a_busy_pool() -> None:
+def host_call_costs() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -125,5 +125,5 @@ def memory_read_rate() -> None:
 
 if __name__ == "__main__":
     dispatch_pieces()
-    host_calls_beside_a_busy_pool()
+    host_call_costs()
     memory_read_rate()

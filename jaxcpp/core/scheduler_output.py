@@ -64,4 +64,5 @@ class SchedulerOutput:
     @property
     def fits_rungs(self) -> bool:
         """It may take a rung below the token buckets (`jaxcpp.core.buckets`): it scores no prompt token."""
-        return bool(self.chunks) and not self.wants_prompt_logprobs
+        decode_only = self.num_decodes == len(self.chunks)  # decodes score none: no scan of 64 chunks a step
+        return bool(self.chunks) and (decode_only or not self.wants_prompt_logprobs)

@@ -250,10 +250,11 @@ class Stage:
         self._prompt_logprobs = jax.jit(functools.partial(prompt_logprobs, config=config),
                                         static_argnames=("layout",), out_shardings=rep)
         self._sampler_lock, self._sampler_compiled = threading.Lock(), False  # compile() runs in threads
-        # a step's packed inputs onto the stage's devices: a jitted identity, whose call costs a third to a
-        # quarter of `jax.device_put`'s made once among the engine's other work (docs/benchmarks.md, "The host
-        # beside a 64-row decode step"); one small program per bucket's buffer size, compiled by warm-up
-        self._put = jax.jit(lambda host: host, in_shardings=rep, out_shardings=rep)
+        # put(host array): a step's packed inputs onto the stage's devices, replicated. A jitted identity,
+        # whose call costs a third to a quarter of `jax.device_put`'s made once among the engine's other work
+        # (docs/benchmarks.md, "The host beside a 64-row decode step"); one small program per bucket's
+        # buffer size, compiled by warm-up
+        self.put = jax.jit(lambda host: host, in_shardings=rep, out_shardings=rep)
         self._attention_free_program: Any = None  # built on first use (the calibration sweep only)
         # disaggregation: a producer gathers a request's pages, a consumer scatters them into its own
         self._one_device = jax.sharding.SingleDeviceSharding(self.devices[0])
@@ -329,10 +330,6 @@ class Stage:
         """An earlier step's sampled tokens (the last stage's), moved here for the first stage to read (a
         pipeline of one stage: already here, and `jax.device_put` of them cost ~0.2 ms of host time a step)."""
         return tokens if tokens.sharding == self.replicated else jax.device_put(tokens, self.replicated)
-
-    def put(self, host: np.ndarray) -> jax.Array:
-        """A host array (a step's packed inputs) onto the stage's devices, replicated."""
-        return self._put(host)
 
     def run(self, batch: StageInput, hidden: jax.Array | None, fed_back: jax.Array | None = None) -> Any:
         """Dispatch the stage's program; returns activations (or StepOutput on the last stage) at once.

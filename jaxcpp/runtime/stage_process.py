@@ -243,7 +243,6 @@ class StageWorker:
         return jax.device_put(np.zeros(aval.shape, aval.dtype), aval.sharding)
 
     def _put(self, num_tokens: int) -> Any:
-
         from jaxcpp.core.step_input import pack, padding_step
         from jaxcpp.runtime.stage import StageInput
 
