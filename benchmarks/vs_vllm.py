@@ -71,7 +71,11 @@ BPE_VOCAB = 4096
 # name -> (prompt tokens, output tokens)
 WORKLOADS = {"prompt-heavy": (1024, 16), "decode-heavy": (32, 256), "mixed": (512, 128)}
 METRICS = [("output_throughput", "output tok/s", True), ("median_itl_ms", "median ITL ms", False),
-           ("p99_itl_ms", "p99 ITL ms", False), ("median_ttft_ms", "median TTFT ms", False)]
+           ("median_tpot_ms", "median TPOT ms", False), ("p99_itl_ms", "p99 ITL ms", False),
+           ("median_ttft_ms", "median TTFT ms", False)]
+# An ITL under this many seconds is a token that reached the client in the same read as the one before
+# (the server wrote them together): a stream of such pairs has a median ITL near 0 whatever its pace.
+TOGETHER_S = 1e-4
 
 
 # -- vLLM's venv ---------------------------------------------------------------------------------
@@ -235,13 +239,15 @@ def bench(server: Server, model: Path, workload: str, concurrency: int, num_prom
                    "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
                    "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
                    "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-                   "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name)
+                   "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name)
     done = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     result = json.loads(out.read_text())
     if result.get("completed") != num_prompts:
         raise SystemExit(f"{out}: {result.get('completed')} of {num_prompts} requests completed")
+    gaps = [gap for itls in result.pop("itls") for gap in itls]  # per request; the file keeps them
+    result["together_pct"] = 100 * sum(gap < TOGETHER_S for gap in gaps) / max(1, len(gaps))
     return result
 
 
@@ -272,7 +278,8 @@ def serve_rounds(model_name: str, model: Path, args: argparse.Namespace, work: P
                                 work / f"{model_name}-{engine}-{workload}-c{c}-{r}.json")
                     runs.setdefault((engine, workload, c), []).append(res)
                     print(f"  round {r + 1} {engine:6} {workload:12} c={c:<3} "
-                          + "  ".join(f"{label} {res[key]:.1f}" for key, label, _ in METRICS), flush=True)
+                          + "  ".join(f"{label} {res[key]:.1f}" for key, label, _ in METRICS)
+                          + f"  ITLs together {res['together_pct']:.0f}%", flush=True)
             finally:
                 server.stop()
             print(f"  round {r + 1} {engine}: up in {up:.0f}s, round took {time.time() - t0:.0f}s", flush=True)
@@ -291,7 +298,20 @@ def serving_table(model_name: str, runs: dict, args: argparse.Namespace) -> str:
             good = ratio >= 1.0 if higher_better else ratio <= 1.0
             row += [f"{ours:.1f}", f"{theirs:.1f}", f"{'**' if good else ''}{ratio:.2f}x{'**' if good else ''}"]
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + together_note(model_name, runs, args)
+
+
+def together_note(model_name: str, runs: dict, args: argparse.Namespace) -> str:
+    """The cells where either engine wrote tokens in pairs often enough to move a median ITL."""
+    notes = []
+    for workload, c in cells(args):
+        shares = {e: statistics.median(x["together_pct"] for x in runs[(e, workload, c)]) for e in ("jaxcpp", "vllm")}
+        if max(shares.values()) >= 10:
+            notes.append(f"{model_name} {workload} c={c}: jaxcpp {shares['jaxcpp']:.0f}%, vLLM {shares['vllm']:.0f}%")
+    if not notes:
+        return ""
+    return (f"\n\nITLs under {TOGETHER_S * 1e3:.1f} ms (a token in the same read as the one before; median "
+            "over rounds): " + "; ".join(notes))
 
 
 # -- offline -------------------------------------------------------------------------------------
