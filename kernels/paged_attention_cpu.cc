@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -116,6 +117,17 @@ void position_offsets(const int32_t* seq_pages, int64_t count, int64_t page_size
   }
 }
 
+// Ask for the cache lines of positions [from, to) (those below offsets.size()), columns [0, width) of
+// each, ahead of their use. A page of K or V rows is a few KB, the size of the memory pages hardware
+// prefetchers stop at, and the next page of a sequence lies anywhere in the pool: without this every
+// page of a row starts with cache misses.
+inline void prefetch_rows(const float* base, const std::vector<int64_t>& offsets, int64_t from, int64_t to,
+                          int64_t width) {
+  to = std::min<int64_t>(to, offsets.size());
+  for (int64_t j = from; j < to; ++j)
+    for (int64_t i = 0; i < width; i += kLanes) __builtin_prefetch(base + offsets[j] + i);
+}
+
 // ---- Decode rows ----
 
 struct DecodeProblem {
@@ -132,18 +144,16 @@ struct DecodeProblem {
 // 15 folds (each two shuffles and an add) where summing each vector alone would take 16 reductions of 4
 // dependent steps each; `fold<w>` adds each 2w-lane group's halves, a's into the group's first w lanes
 // and b's into its last w.
+template <int w, int... lane>
+constexpr IntVec fold_mask(std::integer_sequence<int, lane...>, int shift) {
+  return IntVec{(lane / (2 * w) * (2 * w) + (lane % (2 * w) < w ? lane % (2 * w) : kLanes + lane % (2 * w) - w) +
+                 shift)...};
+}
+
 template <int w>
-inline Vec fold(Vec a, Vec b) {
-  static const IntVec lo = [] {
-    IntVec m;
-    for (int l = 0; l < kLanes; ++l) {
-      const int group = l / (2 * w) * (2 * w), within = l % (2 * w);
-      m[l] = within < w ? group + within : kLanes + group + within - w;
-    }
-    return m;
-  }();
-  static const IntVec hi = lo + w;
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+inline Vec fold(Vec a, Vec b) {  // masks known at compile time: the compiler picks the cheapest shuffles
+  constexpr auto lanes = std::make_integer_sequence<int, kLanes>();
+  return __builtin_shuffle(a, b, fold_mask<w>(lanes, 0)) + __builtin_shuffle(a, b, fold_mask<w>(lanes, w));
 }
 
 inline Vec lane_sums(const Vec* in) {
@@ -180,8 +190,10 @@ void attend_decode(const DecodeProblem& p, int64_t row) {
   for (int64_t h = 0; h < heads; ++h) {
     const float* qh = q + h * d;
     const int64_t kv = h / p.group * d;
+    const bool first_of_group = h % p.group == 0;  // the group's other heads find its rows in cache
     float* s = scores.data() + h * padded;
     for (int64_t j0 = 0; j0 < padded; j0 += kLanes) {
+      if (first_of_group) prefetch_rows(p.k_pages + kv, offsets, j0 + kLanes, j0 + 2 * kLanes, d);
       Vec part[kLanes];
       for (int t = 0; t < kLanes; ++t) {
         const float* k = p.k_pages + offsets[std::min(j0 + t, len - 1)] + kv;  // past len: the last again
@@ -211,9 +223,11 @@ void attend_decode(const DecodeProblem& p, int64_t row) {
       Vec acc[4][4] = {};                                           // on one chain of adds)
       const float* v = p.v_pages + kv + c;  // + a position's offset: its head's columns [c, c + 64)
       int64_t j = 0;
-      for (; j + 4 <= len; j += 4)
+      for (; j + 4 <= len; j += 4) {
+        if (first_of_group) prefetch_rows(v, offsets, j + kLanes, j + kLanes + 4, n * kLanes);
         for (int u = 0; u < 4; ++u)
           for (int64_t t = 0; t < n; ++t) acc[u][t] += s[j + u] * load(v + offsets[j + u] + t * kLanes);
+      }
       for (; j < len; ++j)
         for (int64_t t = 0; t < n; ++t) acc[0][t] += s[j] * load(v + offsets[j] + t * kLanes);
       for (int64_t t = 0; t < n; ++t)
