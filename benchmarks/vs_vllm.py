@@ -262,7 +262,7 @@ def cells(args: argparse.Namespace) -> list[tuple[str, int]]:
 def serve_rounds(model_name: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
     """{(engine, workload, concurrency): [result per round]}, engines alternating round by round."""
     runs: dict[tuple[str, str, int], list[dict]] = {}
-    for r in range(args.rounds):
+    for r in range(args.first_round, args.first_round + args.rounds):
         order = ["jaxcpp", "vllm"] if r % 2 == 0 else ["vllm", "jaxcpp"]
         for engine in order:
             t0 = time.time()
@@ -383,7 +383,7 @@ def offline(model_name: str, model: Path, args: argparse.Namespace, work: Path) 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prompts, outputs = offline_workload(args, min(vocab, 256) if model_name == "tiny" else vocab)
     runs: dict[str, list[dict]] = {"jaxcpp": [], "vllm": []}
-    for r in range(args.rounds):
+    for r in range(args.first_round, args.first_round + args.rounds):
         for engine in (["jaxcpp", "vllm"] if r % 2 == 0 else ["vllm", "jaxcpp"]):
             res = run_offline_child(engine, model, prompts, outputs, args, work)
             runs[engine].append(res)
@@ -413,6 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=csv(int), default=[1, 16, 64])
     p.add_argument("--num-prompts", type=int, default=0, help="per pass (default: 2 x concurrency, at least 4)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--first-round", type=int, default=0,
+                   help="number the rounds from here (seeds, which engine goes first, files): resumes a stopped sweep")
     p.add_argument("--no-serving", action="store_true")
     p.add_argument("--offline", action="store_true", help="also LLM.generate total throughput")
     p.add_argument("--offline-requests", type=int, default=48)
