@@ -11,7 +11,12 @@ alternates round by round), one engine running at a time: start it (`jaxcpp serv
 HTTP API; `vllm serve`), run one untimed warm-up pass of each workload, then `vllm bench serve`
 (OpenAI backend, random dataset, ignore_eos) for every workload x concurrency, then stop it. Each
 round draws its prompts with its own seed (the same for both engines), so no round reads the
-previous round's prefix cache. The table gives medians over the rounds and the ratios jaxcpp / vLLM.
+previous round's prefix cache. The table gives medians over the rounds and the ratios jaxcpp / vLLM:
+output throughput, median ITL, median TPOT (a request's (latency - TTFT) / (tokens - 1)), p99 ITL and
+median TTFT. A median ITL can read near 0 for a server that writes its tokens in pairs whatever its pace,
+so each pass also counts the ITLs under 0.1 ms (from the per-request ITLs `--save-detailed` keeps), and
+the cells where either engine paired 10% or more are named under the table. `--first-round N` resumes a
+stopped sweep at its round N (that round's seeds, engine order and files).
 
 Offline (`--offline`): `LLM.generate` of each engine on the same mixed token-id prompts, in fresh
 processes, alternating, both warmed by a small generate first; the greedy tokens of every request
