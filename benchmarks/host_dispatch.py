@@ -113,14 +113,11 @@ def memory_read_rate() -> None:
     on_device, host = jnp.ones((n,), jnp.float32), np.ones(n, np.float32)
     total = jax.jit(lambda a: a.reshape(16, -1).sum(1))
     total(on_device).block_until_ready()
-    runs = {"XLA:CPU sum, its pool": lambda: total(on_device).block_until_ready(), "numpy sum, one core": host.sum}
+    runs: dict[str, Callable[[], Any]] = {"XLA:CPU sum, its pool": lambda: total(on_device).block_until_ready(),
+                                          "numpy sum, one core": host.sum}
     for label, run in runs.items():
-        seconds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - start)
-        print(f"memory read, {label}: {n * 4 / statistics.median(seconds) / 1e9:.1f} GB/s")
+        seconds = statistics.median(_seconds(run) for _ in range(5))
+        print(f"memory read, {label}: {n * 4 / seconds / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":
